@@ -1,0 +1,192 @@
+"""One LightningModule for every drafter family: frozen base features -> drafter logits -> KL/CE losses ->
+offline acceptance metrics; and `train(cfg)`, the top-to-bottom training recipe that train.py wraps."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import hydra
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from torchmetrics import MeanMetric
+
+from specdec.base import Base, Features
+from specdec.checkpoint import save_drafter
+from specdec.drafters.drafter import Drafter, TrainOutput
+
+
+class DraftTrainer(L.LightningModule):
+    """Trains `drafter` against the frozen `base`. The base is kept outside the module registry, so Lightning
+    checkpoints, optimizers and DDP see only the drafter."""
+
+    def __init__(
+        self,
+        base: Base,
+        drafter: Drafter,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        kl_weight: float = 1.0,
+        ce_weight: float = 0.0,
+        head_decay: float = 0.8,
+        base_autocast: str | None = None,
+    ):
+        super().__init__()
+        self._frozen = {"base": base}
+        self.drafter = drafter
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.kl_weight, self.ce_weight, self.head_decay = kl_weight, ce_weight, head_decay
+        self.base_autocast = getattr(torch, base_autocast) if base_autocast else None
+        # Entry j predicting token t+1+offset_j is weighted decay^offset_j (Medusa's 0.8^k).
+        self.entry_weights = [head_decay**o for o in drafter.target_offsets]
+        k = len(drafter.target_offsets)
+        self.val_top1 = torch.nn.ModuleList(MeanMetric() for _ in range(k))
+        self.val_accept = torch.nn.ModuleList(MeanMetric() for _ in range(k))
+        self._step_start: float | None = None
+
+    @property
+    def base(self) -> Base:
+        return self._frozen["base"]
+
+    def on_fit_start(self) -> None:
+        self.base.to(self.device)
+
+    def on_validation_start(self) -> None:
+        self.base.to(self.device)
+
+    # -- one step ----------------------------------------------------------------------------
+    def _features(self, input_ids: torch.Tensor) -> Features:
+        cast = (torch.autocast(self.device.type, dtype=self.base_autocast) if self.base_autocast else nullcontext())
+        with cast:
+            feats = self.base.features(input_ids, layers=self.drafter.feature_layers)
+        # Drafters train in their own precision, whatever the base ran in.
+        dtype = next(self.drafter.parameters()).dtype
+        return Features({l: h.to(dtype) for l, h in feats.hidden.items()}, feats.logits.float())
+
+    def _entry_losses(self, out: TrainOutput, feats: Features, input_ids: torch.Tensor):
+        """Per entry j (offset o): draft logits at t vs the base's distribution at t+o and the data token t+1+o.
+        Yields (j, loss_j, top1_j, accept_j), the last two as [N] per-position tensors."""
+        T = input_ids.shape[1]
+        for j, o in enumerate(self.drafter.target_offsets):
+            n = T - 1 - o  # positions t with both a target distribution (t+o) and a data label (t+1+o)
+            q_logp = F.log_softmax(out.logits[:, :n, j].float(), -1)  # [B, n, V]
+            p_logp = F.log_softmax(feats.logits[:, o : o + n], -1)  # [B, n, V]
+            labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
+            kl = F.kl_div(q_logp, p_logp, log_target=True, reduction="none").sum(-1)  # KL(p || q) [B, n]
+            ce = F.nll_loss(q_logp.transpose(1, 2), labels, reduction="none")  # [B, n]
+            loss = (self.kl_weight * kl + self.ce_weight * ce).mean()
+            with torch.no_grad():
+                top1 = (q_logp.argmax(-1) == p_logp.argmax(-1)).float()
+                accept = torch.minimum(q_logp.exp(), p_logp.exp()).sum(-1)  # Σ_v min(p, q) = 1 − TV
+            yield j, loss, top1, accept
+
+    def _step(self, batch: dict, stage: str) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        feats = self._features(input_ids)
+        out = self.drafter.forward_train(feats, input_ids)
+        total = torch.zeros((), device=self.device)
+        names = self.drafter.head_names
+        for j, loss, top1, accept in self._entry_losses(out, feats, input_ids):
+            total = total + self.entry_weights[j] * loss
+            self.log(f"{stage}/{names[j]}_loss", loss, on_step=stage == "train", on_epoch=True)
+            if stage == "val":
+                self.val_top1[j].update(top1)
+                self.val_accept[j].update(accept)
+        if out.aux_loss is not None:
+            total = total + out.aux_loss
+        for name, value in (out.aux_metrics or {}).items():
+            self.log(f"{stage}/{name}", value, on_step=stage == "train", on_epoch=True)
+        self.log(f"{stage}/loss", total, prog_bar=True, on_step=stage == "train", on_epoch=True)
+        return total
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._step(batch, "train")
+        now = time.perf_counter()
+        if self._step_start is not None:  # tokens/s of the previous full step (forward, backward, optimizer)
+            self.log("train/tokens_per_s", batch["input_ids"].numel() / (now - self._step_start), prog_bar=True)
+        self._step_start = now
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        accept = torch.stack([m.compute() for m in self.val_accept])  # [K]
+        for j, name in enumerate(self.drafter.head_names):
+            self.log(f"val/{name}_top1", self.val_top1[j].compute())
+            self.log(f"val/{name}_accept", accept[j])
+            self.val_top1[j].reset()
+            self.val_accept[j].reset()
+        self.log("val/expected_tau", self.drafter.expected_tau(accept), prog_bar=True)
+        self._step_start = None  # validation time is not training throughput
+
+    def configure_optimizers(self):
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = self.optimizer(params=params)
+        if self.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler(optimizer=optimizer), "interval": "step"}}
+
+
+class SaveDrafter(L.Callback):
+    """Writes the trained drafter (safetensors + json, no base weights) when training ends."""
+
+    def __init__(self, dirpath: str, train_config: dict | None = None):
+        self.dirpath = dirpath
+        self.train_config = train_config
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, module: DraftTrainer) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        save_drafter(module.drafter, self.dirpath, train_config=self.train_config, metrics=metrics)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """seed -> base -> drafter -> module -> data -> callbacks/loggers -> trainer -> fit -> metrics."""
+    L.seed_everything(cfg.seed, workers=True)
+    base: Base = hydra.utils.instantiate(cfg.base)
+    drafter: Drafter = hydra.utils.instantiate(cfg.drafter)(base=base)
+    module = hydra.utils.instantiate(cfg.module)(base=base, drafter=drafter)
+    datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+
+    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks.append(SaveDrafter(str(Path(cfg.paths.output_dir) / "drafter"), OmegaConf.to_container(cfg, resolve=True)))
+    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    print(f"[specdec] base {base.name} | drafter {type(drafter).__name__} | trainable params {n_train:,}")
+
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    finally:
+        _finish_wandb()
+    _print_val_table(metrics, drafter.head_names)
+    return metrics
+
+
+def _finish_wandb() -> None:
+    """Close the wandb run even on failure, so the next job of a multirun starts its own run."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def _print_val_table(metrics: dict[str, float], names: list[str]) -> None:
+    if not any(k.startswith("val/") for k in metrics):
+        return
+    rows = ["| entry | top-1 | Σmin(p,q) |", "|---|---|---|"]
+    for name in names:
+        top1, acc = metrics.get(f"val/{name}_top1", float("nan")), metrics.get(f"val/{name}_accept", float("nan"))
+        rows.append(f"| {name} | {top1:.3f} | {acc:.3f} |")
+    rows.append(f"\npredicted τ (val/expected_tau): {metrics.get('val/expected_tau', float('nan')):.3f}")
+    print("\n".join(rows))

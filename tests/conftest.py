@@ -1,0 +1,41 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from specdec.base import tiny_base
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_base()
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A few small text documents (python-ish) to train on: enough for a handful of 32-token blocks."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(6):
+        body = "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(8))
+        (d / f"doc{i}.txt").write_text(body)
+    return d
+
+
+def compose_train(overrides: list[str], tmp_path: Path, config_name: str = "train"):
+    """In-process Hydra compose with the run/output dirs and caches under tmp_path."""
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name, overrides=[
+            f"paths.log_dir={tmp_path}/logs", f"paths.cache_dir={tmp_path}/cache",
+            f"paths.output_dir={tmp_path}/run", *overrides,
+        ])
+    return cfg

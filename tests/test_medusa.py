@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from specdec.base import LAST
+from specdec.drafters.medusa import Medusa
+
+
+def test_parameter_count_distinct_blocks(tiny):
+    h = tiny.hidden_size
+    m = Medusa(tiny, num_heads=3, num_layers=2)
+    assert sum(p.numel() for p in m.parameters()) == 3 * 2 * (h * h + h)
+    blocks = [blk for head in m.heads for blk in head]
+    assert len({id(b) for b in blocks}) == 6  # no module reused (the [ResBlock(h)] * n bug)
+    assert len({p.data_ptr() for p in m.parameters()}) == 12
+
+
+def test_own_lm_head_is_a_trainable_copy(tiny):
+    m = Medusa(tiny, num_heads=2, own_lm_head=True)
+    assert sum(p.numel() for p in m.parameters()) == 2 * (tiny.hidden_size**2 + tiny.hidden_size) + 2 * tiny.vocab_size * tiny.hidden_size
+    assert torch.equal(m.lm_heads[0].weight, tiny.lm_head.weight)
+    assert m.lm_heads[0].weight.data_ptr() != m.lm_heads[1].weight.data_ptr() != tiny.lm_head.weight.data_ptr()
+
+
+def test_state_dict_holds_no_base_weights(tiny):
+    keys = Medusa(tiny, num_heads=2).state_dict().keys()
+    assert all(k.startswith("heads.") for k in keys)
+
+
+def test_fresh_heads_are_the_base_head(tiny):
+    """Zero-initialised residual blocks: each head starts as the base's own next-token head."""
+    x = torch.randint(0, tiny.vocab_size, (2, 9))
+    feats = tiny.features(x)
+    out = Medusa(tiny, num_heads=3, num_layers=2).forward_train(feats, x).logits  # [B, T, K, V]
+    for k in range(3):
+        torch.testing.assert_close(out[:, :, k], feats.logits)
+
+
+def test_head_reads_only_its_own_position(tiny):
+    m = Medusa(tiny, num_heads=2)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randint(0, tiny.vocab_size, (1, 6))
+    feats = tiny.features(x)
+    before = m.forward_train(feats, x).logits
+    feats.hidden[LAST] = feats.hidden[LAST].clone()
+    feats.hidden[LAST][:, 3] += 1.0
+    after = m.forward_train(feats, x).logits
+    changed = (before - after).abs().amax(dim=(0, 2, 3)) > 0
+    assert changed.tolist() == [False, False, False, True, False, False]
+
+
+def test_offsets_and_names(tiny):
+    m = Medusa(tiny, num_heads=4)
+    assert m.target_offsets == [1, 2, 3, 4]  # head k predicts token t+k+1
+    assert m.head_names == ["head1", "head2", "head3", "head4"] and m.max_depth == 4

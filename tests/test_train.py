@@ -1,0 +1,42 @@
+"""train.py in-process: fast_dev_run per drafter family on the tiny base, and a short real run that writes
+CSV metrics and a drafter checkpoint."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, compose_train
+from specdec.checkpoint import load_drafter, read_meta
+from specdec.training import train
+
+DRAFTERS = sorted(p.stem for p in (CONFIGS / "drafter").glob("*.yaml"))
+# Drafter settings that must fit a 2-layer tiny base.
+TINY_DRAFTER = {"early_exit": ["drafter.exit_layers=[1]"]}
+TINY_DATA = ["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2"]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_fast_dev_run(drafter, corpus, tmp_path):
+    cfg = compose_train([*TINY_DATA, f"data.source.path={corpus}/*.txt", f"drafter={drafter}", "debug=fdr",
+                         *TINY_DRAFTER.get(drafter, [])], tmp_path)
+    metrics = train(cfg)
+    assert "val/expected_tau" in metrics and metrics["val/expected_tau"] >= 1.0
+    assert metrics["train/loss"] == pytest.approx(metrics["train/loss"])  # finite, not NaN
+
+
+def test_short_run_logs_and_saves_drafter(corpus, tmp_path, tiny):
+    cfg = compose_train([*TINY_DATA, f"data.source.path={corpus}/*.txt", "drafter=medusa", "drafter.num_heads=2",
+                         "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "logger=csv",
+                         "callbacks.progress_bar.refresh_rate=0"], tmp_path)
+    metrics = train(cfg)
+    for key in ["val/head1_top1", "val/head2_top1", "val/head1_accept", "val/head2_accept", "val/expected_tau"]:
+        assert key in metrics
+    assert 0.0 <= metrics["val/head1_accept"] <= 1.0
+    out = Path(cfg.paths.output_dir)
+    csv = next(out.glob("csv/**/metrics.csv")).read_text()
+    assert "val/expected_tau" in csv and "train/loss_step" in csv
+    meta = read_meta(out / "drafter")
+    assert meta["hparams"]["num_heads"] == 2 and meta["base"] == tiny.fingerprint()
+    drafter = load_drafter(out / "drafter", tiny)
+    assert len(drafter.heads) == 2
+    assert (out / "checkpoints" / "last.ckpt").exists()
