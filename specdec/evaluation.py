@@ -1,0 +1,390 @@
+"""Evaluate drafters against plain decoding and HF peers on the same base, prompts and machine, in one run:
+a Spec-Bench-style table (markdown, CSV, JSON), plots, and wandb logging (SPEC.md §4, §5, §7)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import hydra
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from specdec.base import Base
+from specdec.checkpoint import load_drafter, read_meta
+from specdec.drafters.drafter import Drafter
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.metrics import prompt_metrics
+
+AR = "ar (ours)"
+HF_PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
+
+
+@dataclass
+class Run:
+    """One method on one prompt turn."""
+
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # per round (our sampler only)
+    drafted: list[int] = field(default_factory=list)
+    ttft_s: float = float("nan")
+    t_draft_s: float = 0.0  # summed over rounds
+    t_verify_s: float = 0.0
+    rounds: int = 0
+
+
+@dataclass
+class Method:
+    name: str
+    run: Callable[[list[list[int]]], list[Run]]  # a batch of prompts (token ids) -> one Run per prompt
+    lossless: bool
+    chain_gamma: int | None = None  # set for chain drafters: the Leviathan check applies
+    batch: int = 1
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """base -> drafters (refused on a base mismatch) -> prompts -> methods -> warm-up -> timed runs -> report."""
+    out_dir = Path(cfg.paths.output_dir)
+    _refuse_overwrite(out_dir, cfg.overwrite)
+    torch.manual_seed(cfg.seed)
+    # Checkpoint metadata first: a drafter from another base fails here, before the base is even loaded.
+    paths = _drafter_names(list(cfg.drafters or []))
+    metas = {name: read_meta(p) for name, p in paths.items()}
+    base: Base = hydra.utils.instantiate(cfg.base)
+    drafters = {name: load_drafter(p, base) for name, p in paths.items()}
+    sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
+    items: list[dict] = hydra.utils.instantiate(cfg.prompts)
+    methods = _methods(cfg, base, drafters, sampler)
+
+    if cfg.warmup:  # compile, allocator and cache warm-up stay out of the timings
+        first = _render(base, [{"role": "user", "content": items[0]["turns"][0]}])
+        for m in methods:
+            m.run([first] * m.batch)
+
+    runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns
+    for m in methods:
+        for start in tqdm(range(0, len(items), m.batch), desc=m.name, unit="prompt", leave=False):
+            chunk = items[start : start + m.batch]
+            runs[m.name].extend(_answer_turn_by_turn(base, m, chunk))
+
+    report = _tabulate(cfg, base, items, methods, runs, sampler, metas)
+    _write(out_dir, cfg, report, methods)
+    return report
+
+
+# -- methods ---------------------------------------------------------------------------------------
+def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler: SamplerConfig) -> list[Method]:
+    ar_cfg = replace(sampler, tree="chain")
+    methods = [Method(AR, _ours(base, None, ar_cfg, cfg.seed), True, batch=cfg.batch_size)]
+    for name, d in drafters.items():
+        gamma = sampler.gamma if sampler.tree == "chain" else None
+        methods.append(Method(name, _ours(base, d, sampler, cfg.seed), sampler.lossless, gamma, cfg.batch_size))
+    hf = {
+        "hf_generate": {},
+        "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens},
+        "hf_early_exit": {"assistant_early_exit": cfg.hf.early_exit_layer, "num_assistant_tokens": cfg.hf.num_assistant_tokens},
+    }
+    for peer in cfg.peers:
+        if peer not in hf:
+            raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS)}")
+        methods.append(Method(peer, _hf(base, sampler, hf[peer]), True))
+    return methods
+
+
+def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int) -> Callable:
+    def run(prompts: list[list[int]]) -> list[Run]:
+        gens = [torch.Generator(device=base.device).manual_seed(seed + i) for i in range(len(prompts))]
+        r = generate(base, prompts, drafter, sampler, generator=gens)
+        # a batch shares its wall time: each row is charged the whole of it, so tok/s per row is per-stream speed
+        return [
+            Run(r.tokens[b, : r.num_generated[b]].tolist(), r.total_s, r.accepted[b], r.drafted[b], r.ttft_s,
+                sum(r.step_draft_s) / len(prompts), sum(r.step_verify_s) / len(prompts), len(r.accepted[b]))
+            for b in range(len(prompts))
+        ]
+
+    return run
+
+
+def _hf(base: Base, sampler: SamplerConfig, extra: dict) -> Callable:
+    eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
+    sampling = {"do_sample": True, "temperature": sampler.temperature, "top_p": sampler.top_p,
+                "top_k": sampler.top_k or None} if sampler.temperature > 0 else {"do_sample": False}
+
+    def run(prompts: list[list[int]]) -> list[Run]:
+        out = []
+        for p in prompts:  # HF assisted generation is batch 1
+            ids = torch.tensor([p], device=base.device)
+            t0 = _sync_time(base.device)
+            seq = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampler.max_new_tokens,
+                                      eos_token_id=eos, pad_token_id=base.tokenizer.pad_token_id or 0,
+                                      **sampling, **extra)
+            out.append(Run(_cut_at_eos(seq[0, len(p):].tolist(), eos), _sync_time(base.device) - t0))
+        return out
+
+    return run
+
+
+def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[Run]]:
+    """Multi-turn prompts: each turn sees the method's own earlier answers."""
+    history: list[list[dict]] = [[] for _ in chunk]
+    runs: list[list[Run]] = [[] for _ in chunk]
+    for turn in range(max(len(it["turns"]) for it in chunk)):
+        rows = [i for i, it in enumerate(chunk) if turn < len(it["turns"])]
+        for i in rows:
+            history[i].append({"role": "user", "content": chunk[i]["turns"][turn]})
+        results = m.run([_render(base, history[i]) for i in rows])
+        for i, r in zip(rows, results):
+            runs[i].append(r)
+            answer = base.tokenizer.decode(r.tokens, skip_special_tokens=True)
+            history[i].append({"role": "assistant", "content": answer})
+    return runs
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _tabulate(cfg, base, items, methods, runs, sampler, metas) -> dict[str, Any]:
+    categories = sorted({it["category"] for it in items})
+    ar_runs = runs[AR]
+
+    def tok_s(rs: list[Run]) -> float:
+        return sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs)
+
+    def mean_tok_s(method: str, idx: list[int]) -> float:  # mean over prompts of per-prompt tok/s
+        return sum(tok_s(runs[method][i]) for i in idx) / len(idx)
+
+    everyone = list(range(len(items)))
+    by_cat = {c: [i for i, it in enumerate(items) if it["category"] == c] for c in categories}
+    ar_mean = mean_tok_s(AR, everyone)
+    hf_mean = mean_tok_s("hf_generate", everyone) if "hf_generate" in runs else float("nan")
+    rows = []
+    for m in methods:
+        flat = [r for prompt in runs[m.name] for r in prompt]
+        accepted = [a for r in flat for a in r.accepted]
+        drafted = [g for r in flat for g in r.drafted]
+        ours = bool(accepted) or m.name == AR
+        per_prompt = [prompt_metrics([a for r in p for a in r.accepted], [g for r in p for g in r.drafted],
+                                     sum(len(r.tokens) for r in p), sum(r.seconds for r in p),
+                                     sum(r.seconds for r in p)) for p in runs[m.name]] if ours else []
+        mean = mean_tok_s(m.name, everyone)
+        identical = None
+        if sampler.temperature == 0:
+            identical = all(r.tokens == a.tokens for p, ap in zip(runs[m.name], ar_runs) for r, a in zip(p, ap))
+        alpha = sum(accepted) / sum(drafted) if sum(drafted) else float("nan")
+        depth = max(accepted, default=0)
+        reach = [sum(a >= i for a in accepted) for i in range(depth + 1)]
+        row = {
+            "method": m.name,
+            "lossless": m.lossless,
+            "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else (1.0 if m.name == AR else float("nan")),
+            "alpha": alpha,
+            "tok_per_s": mean,
+            "pooled_tok_per_s": tok_s(flat),
+            "speedup_vs_ar": mean / ar_mean,
+            "speedup_vs_hf": mean / hf_mean,
+            "pooled_speedup_vs_ar": tok_s(flat) / tok_s([r for p in ar_runs for r in p]),
+            "greedy_identical": identical,
+            "alpha_i": [reach[i] / reach[i - 1] for i in range(1, depth + 1)],
+            "accept_hist": {str(k): sum(a == k for a in accepted) for k in range(depth + 1)},
+            "ttft_s": _nanmean([r.ttft_s for r in flat]),
+            "tokens": sum(len(r.tokens) for r in flat),
+            "per_category_speedup": {c: mean_tok_s(m.name, idx) / mean_tok_s(AR, idx) for c, idx in by_cat.items()},
+            "per_prompt": per_prompt,
+        }
+        if m.chain_gamma and accepted:  # Leviathan et al.: τ and walltime from α, with the measured cost ratio c
+            g = m.chain_gamma
+            rounds = sum(r.rounds for r in flat)
+            t_draft_tok = sum(r.t_draft_s for r in flat) / max(rounds, 1) / g
+            c = t_draft_tok * ar_mean  # T_draft_step / T_base_step, with T_base_step = 1 / (AR tok/s)
+            row["leviathan"] = {
+                "gamma": g, "c": c, "measured_tau": row["tau"],
+                "predicted_tau": (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0,
+                "predicted_speedup": ((1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0) / (g * c + 1),
+                "measured_speedup": row["speedup_vs_ar"],
+            }
+        rows.append(row)
+    header = {
+        "device": _device_name(base.device), "dtype": str(base.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "base": base.name, "temperature": sampler.temperature, "top_p": sampler.top_p,
+        "acceptance": sampler.acceptance, "batch_size": f"{cfg.batch_size} (ours), 1 (HF)",
+        "draft": _draft_desc(sampler), "max_new_tokens": sampler.max_new_tokens,
+        "prompts": f"{len(items)} ({', '.join(categories)})", "platform": platform.platform(),
+        "drafters": {n: m.get("base_name") for n, m in metas.items()},
+    }
+    return {"header": header, "categories": categories, "rows": rows}
+
+
+def render_markdown(report: dict, config_yaml: str) -> str:
+    h, cats = report["header"], report["categories"]
+    lines = ["# specdec evaluation", "", "```yaml", config_yaml.rstrip(), "```", ""]
+    lines += [f"- **{k}**: {v}" for k, v in h.items() if k != "drafters"]
+    cat_cols = [f"{c} ×AR" for c in cats] if len(cats) > 1 else []
+    lines += ["", "| method | lossless | τ | α | tok/s | speedup vs AR (ours) | speedup vs HF generate | greedy-identical |"
+              + "".join(f" {c} |" for c in cat_cols),
+              "|---" * (8 + len(cat_cols)) + "|"]
+    for r in report["rows"]:
+        cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r["alpha"]),
+                 _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×", _f(r["speedup_vs_hf"]) + "×",
+                 "—" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "**NO**")]
+        if cat_cols:
+            cells += [_f(r["per_category_speedup"][c]) + "×" for c in cats]
+        lines.append("| " + " | ".join(cells) + " |")
+    lev = [r for r in report["rows"] if "leviathan" in r]
+    if lev:
+        lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α); speedup = τ/(γc + 1)", "",
+                  "| method | γ | α | τ measured | τ predicted | c | speedup measured | speedup predicted |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in lev:
+            v = r["leviathan"]
+            lines.append(f"| {r['method']} | {v['gamma']} | {_f(r['alpha'])} | {_f(v['measured_tau'])} | "
+                         f"{_f(v['predicted_tau'])} | {_f(v['c'])} | {_f(v['measured_speedup'])}× | {_f(v['predicted_speedup'])}× |")
+    lines += ["", "τ: mean emitted tokens per base forward (bonus included); α: accepted / drafted tokens; "
+              "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run. HF peers report no τ/α."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(out_dir: Path, cfg: DictConfig, report: dict, methods: list[Method]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    md = render_markdown(report, config_yaml)
+    _atomic_text(out_dir / "report.md", md)
+    _atomic_text(out_dir / "results.json", json.dumps(report, indent=2, default=str))
+    cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "pooled_tok_per_s", "speedup_vs_ar", "speedup_vs_hf",
+            "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
+    cat_cols = [f"speedup_vs_ar/{c}" for c in report["categories"]]
+    csv = [",".join(cols + cat_cols)]
+    for r in report["rows"]:
+        csv.append(",".join([str(r[c]) for c in cols] + [str(v) for v in r["per_category_speedup"].values()]))
+    _atomic_text(out_dir / "results.csv", "\n".join(csv) + "\n")
+    plots = _plot(out_dir, report)
+    print(md)
+    print(f"[specdec] report, CSV, JSON and plots in {out_dir}")
+    _log_wandb(cfg, report, md, plots)
+
+
+def _plot(out_dir: Path, report: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["alpha_i"]:
+            ax.plot(range(1, len(r["alpha_i"]) + 1), r["alpha_i"], marker="o", label=r["method"])
+    ax.set(xlabel="draft position i", ylabel="conditional acceptance α_i", ylim=(0, 1.05),
+           title="Acceptance by draft position")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    acc = out_dir / "acceptance_by_position.png"
+    fig.savefig(acc, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["method"] for r in rows]
+    ax.bar(names, [r["speedup_vs_ar"] for r in rows], color=["#888" if n == AR else "#3a7" for n in names])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    bars = out_dir / "speedup.png"
+    fig.savefig(bars, dpi=120)
+    plt.close(fig)
+    return [acc, bars]
+
+
+def _log_wandb(cfg: DictConfig, report: dict, md: str, plots: list[Path]) -> None:
+    if not cfg.wandb.enabled:
+        return
+    import wandb
+
+    try:
+        wandb.init(project=cfg.wandb.project, group=cfg.wandb.group, tags=list(cfg.tags), mode=cfg.wandb.mode,
+                   dir=str(cfg.paths.output_dir), job_type="evaluate",
+                   config=OmegaConf.to_container(cfg, resolve=True))
+        cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical"]
+        table = wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in report["rows"]])
+        pos = wandb.Table(columns=["method", "position", "alpha_i"],
+                          data=[[r["method"], i + 1, a] for r in report["rows"] for i, a in enumerate(r["alpha_i"])])
+        wandb.log({"eval/table": table, "eval/acceptance_by_position": pos,
+                   **{f"eval/{p.stem}": wandb.Image(str(p)) for p in plots},
+                   **{f"eval/{r['method']}/tau": r["tau"] for r in report["rows"]},
+                   **{f"eval/{r['method']}/speedup_vs_ar": r["speedup_vs_ar"] for r in report["rows"]}})
+    finally:
+        wandb.finish()
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def _render(base: Base, messages: list[dict]) -> list[int]:
+    text = base.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return base.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _cut_at_eos(tokens: list[int], eos) -> list[int]:
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]  # EOS counts as a generated token, as in our sampler
+    return tokens
+
+
+def _drafter_names(paths: list[str]) -> dict[str, str]:
+    """Method names from the drafter classes (medusa, prophet, ...), numbered when a class repeats."""
+    names: dict[str, str] = {}
+    for p in paths:
+        name = read_meta(p)["target"].rsplit(".", 1)[-1].lower()
+        names[name if name not in names else f"{name}#{len(names)}"] = p
+    return names
+
+
+def _refuse_overwrite(out_dir: Path, overwrite: bool) -> None:
+    if (out_dir / "report.md").exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds a report; pick another hydra.run.dir or set overwrite=true")
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _sync_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _draft_desc(s: SamplerConfig) -> str:
+    if s.tree == "chain":
+        return f"chain γ={s.gamma}"
+    if s.tree == "static":
+        return f"static tree ({len(s.paths or [])} paths)"
+    return f"dynamic tree (depth {s.dynamic_depth}, top-{s.dynamic_topk}, budget {s.dynamic_budget})"
+
+
+def _nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _f(x, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}f}"
