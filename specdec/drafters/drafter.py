@@ -91,12 +91,42 @@ class Drafter(nn.Module):
         next_token [B] the base's newly emitted token that follows them (the next round's root)."""
         raise NotImplementedError
 
-    def expand(self, state: Any, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+    def expand(
+        self, state: Any, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+        nodes: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits [B, N, V] for the children of N frontier nodes at `depth` (0 = the root). tokens [B, N] are
-        the nodes' tokens, parents [N] their parents' node indices (-1 for the root), shared by all rows.
-        Raw logits: the sampler applies temperature/top-k/top-p to them and samples or picks top-k, so the
-        reported q and the drafted token always agree."""
+        the nodes' tokens, nodes [N] their node indices in the round (root = 0; the sampler numbers every
+        node, unexpanded leaves included), parents [N] their parents' node indices (-1 for the root); the
+        tree shape is shared by all rows. Raw logits: the sampler applies temperature/top-k/top-p to them and
+        samples or picks top-k, so the reported q and the drafted token always agree."""
         raise NotImplementedError
+
+
+class NodeTable:
+    """Per-node tensors of one draft round ([B, C, ...], row i = node i), for drafters whose `expand` needs
+    what was computed for a node's parent (Hydra's token paths, the prophet's predicted features)."""
+
+    def __init__(self):
+        self.rows: torch.Tensor | None = None
+        self.count = 0  # highest node index stored + 1
+
+    def get(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows at node indices index [N] -> [B, N, ...]."""
+        if self.rows is None or int(index.max()) >= self.count:
+            raise IndexError(f"node {int(index.max())} was never expanded in this round ({self.count} known)")
+        return self.rows[:, index.to(self.rows.device)]
+
+    def put(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Store rows [B, N, ...] at node indices nodes [N]."""
+        need = int(nodes.max()) + 1
+        if self.rows is None or self.rows.shape[1] < need:
+            grown = rows.new_zeros(rows.shape[0], need, *rows.shape[2:])
+            if self.rows is not None:
+                grown[:, : self.rows.shape[1]] = self.rows
+            self.rows = grown
+        self.rows[:, nodes.to(rows.device)] = rows
+        self.count = max(self.count, need)
 
 
 def copy_lm_head(base: Base) -> nn.Linear:

@@ -58,7 +58,8 @@ class Medusa(Drafter):
         last = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
         state["logits"] = self.head_logits(last)  # [B, K, V]
 
-    def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+    def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+               nodes: torch.Tensor) -> torch.Tensor:
         logits = state["logits"][:, depth]  # [B, V]
         return logits[:, None].expand(-1, tokens.shape[1], -1)  # [B, N, V]
 

@@ -1,0 +1,97 @@
+"""Hydra heads (Ankner et al. 2024): Medusa heads made sequentially dependent. Head k reads the base's last
+hidden state h_t AND the embeddings of the k tokens t+1..t+k that precede the one it predicts (t+k+1): in
+training the data tokens (teacher-forced), in sampling the root and the drafted tokens on the node's path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.base import LAST, Base, Features
+from specdec.drafters.drafter import DraftContext, Drafter, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.medusa import ResBlock
+
+
+class HydraHead(nn.Module):
+    """[h_t ; norm(e_{t+1}) ; … ; norm(e_{t+k})] -> in_proj -> residual SiLU blocks -> [H].
+
+    in_proj starts as [I, 0, …, 0] and the blocks as the identity, so a fresh head is exactly the base's own
+    head on h_t (a fresh Medusa head); the token columns still get gradient at once (their inputs are not 0).
+    The embeddings are RMS-normalised first: raw they are ~15x smaller than the normed features (SmolLM2: RMS
+    0.14 vs 2.2) and their columns would learn that much slower."""
+
+    def __init__(self, hidden_size: int, num_tokens: int, num_layers: int, emb_norm: nn.Module):
+        super().__init__()
+        h = hidden_size
+        self.emb_norm = emb_norm
+        self.in_proj = nn.Linear((num_tokens + 1) * h, h)
+        with torch.no_grad():
+            self.in_proj.weight.zero_()
+            self.in_proj.weight[:, :h].copy_(torch.eye(h))
+            self.in_proj.bias.zero_()
+        self.blocks = nn.Sequential(*(ResBlock(h) for _ in range(num_layers)))
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """h [..., H], emb [..., k, H] (embeddings of tokens t+1..t+k) -> [..., H]."""
+        return self.blocks(self.in_proj(torch.cat([h, self.emb_norm(emb).flatten(-2)], dim=-1)))
+
+
+class Hydra(Drafter):
+    def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False):
+        super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head)
+        h = base.hidden_size
+        # Head k (1-based) conditions on k tokens; fresh modules per head (never [HydraHead(...)] * K). The
+        # embedding norm is the base's own norm class, with its own trainable weight per head.
+        norm_cls, eps = type(base.norm), base.config.rms_norm_eps
+        self.heads = nn.ModuleList(
+            HydraHead(h, k, num_layers, norm_cls(h, eps=eps)) for k in range(1, num_heads + 1)
+        )
+        self.lm_heads = nn.ModuleList(copy_lm_head(base) for _ in range(num_heads)) if own_lm_head else None
+        self.to(device=base.device, dtype=base.dtype)
+        self.target_offsets = list(range(1, num_heads + 1))
+        self.head_names = [f"head{k}" for k in range(1, num_heads + 1)]
+        self.max_depth = num_heads
+
+    def project(self, z: torch.Tensor, k: int) -> torch.Tensor:
+        """z [..., H] of head k (0-based) -> logits [..., V]."""
+        return self.base.lm_head(z) if self.lm_heads is None else self.lm_heads[k](z)
+
+    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
+        h = feats.hidden[LAST]  # [B, T, H]
+        b, t, _ = h.shape
+        k_max = len(self.heads)
+        # Embeddings of x_{t+1}..x_{t+K} at every t; past the end of the sequence a zero vector (those entries'
+        # targets do not exist either, so the training module masks them).
+        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
+        emb = torch.cat([emb, emb.new_zeros(b, k_max, emb.shape[-1])], dim=1)  # [B, T+K, H]
+        ahead = torch.stack([emb[:, k : k + t] for k in range(1, k_max + 1)], dim=2)  # [B, T, K, H]
+        logits = [self.project(head(h, ahead[:, :, : k + 1]), k) for k, head in enumerate(self.heads)]
+        return TrainOutput(logits=torch.stack(logits, dim=2))  # [B, T, K, V]
+
+    # -- sampling: head d+1 expands a depth-d node from h_t and the d+1 tokens on its path (root first) -------
+    def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
+        return {"h": None, "paths": NodeTable()}
+
+    def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
+        h = feats.hidden[LAST]  # [B, n, H]
+        state["h"] = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
+        state["paths"] = NodeTable()  # a new round
+
+    def expand(
+        self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+        nodes: torch.Tensor,
+    ) -> torch.Tensor:
+        if depth >= len(self.heads):
+            raise ValueError(f"Hydra with {len(self.heads)} heads drafts at most depth {len(self.heads)}")
+        b, n = tokens.shape
+        if depth == 0:
+            paths = tokens.new_zeros(b, n, len(self.heads))  # [B, N, K] path tokens, root first; cols > depth unused
+        else:
+            paths = state["paths"].get(parents).clone()  # [B, N, K] each parent's path
+        paths[:, :, depth] = tokens
+        state["paths"].put(paths, nodes)
+        emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
+        h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
+        return self.project(self.heads[depth](h, emb), depth)  # [B, N, V]

@@ -1,0 +1,187 @@
+"""ProphetNet-style feature-level predictor (in the spirit of EAGLE): a small decoder, built from the base's own
+decoder-layer class, that predicts the base's next last-layer feature from the known features and tokens and
+then keeps going on its OWN predicted features, one step at a time.
+
+Entries and positions (training and sampling agree on both):
+- real entry for base position t: fc([h_t ; emb(x_{t+1})]) at rotary position t; its output ĥ_{t+1} -> x_{t+2};
+- one "sink" entry fc([0 ; emb(x_0)]) at position -1 before them: at sampling time the first committed slot
+  has no feature before it, so training carries the same entry instead of pretending it is not there;
+- chain step j ≥ 1 rooted at t: fc([ĥ_{t+j} ; emb(x_{t+j+1})]) at position t+j, attending to the real
+  entries of positions ≤ t (and the sink) and to its own chain's earlier steps, never to later real entries.
+Sampling lays the entry for (h_{s-1}, x_s) in slot s, so the root node's slot (the base's newest token) holds
+the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from specdec.base import LAST, Base, Features
+from specdec.drafters.drafter import DraftContext, Drafter, NodeTable, TrainOutput, copy_lm_head
+
+STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
+POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
+
+
+class Prophet(Drafter):
+    def __init__(
+        self,
+        base: Base,
+        num_layers: int = 1,
+        unroll_steps: int = 4,
+        feature_weight: float = 0.1,
+        own_lm_head: bool = False,
+    ):
+        super().__init__(
+            base, num_layers=num_layers, unroll_steps=unroll_steps, feature_weight=feature_weight,
+            own_lm_head=own_lm_head,
+        )
+        h = base.hidden_size
+        # Token embeddings are ~15x smaller than the normed features (SmolLM2: RMS 0.14 vs 2.2): normalise them
+        # first, or the token half of fc learns far slower than the feature half.
+        self.emb_norm = type(base.norm)(h, eps=base.config.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        # The base's decoder-layer class, built from the base config; layer_idx keys this drafter's own cache.
+        layer_cls = type(base.layers[0])
+        self.blocks = nn.ModuleList(layer_cls(base.config, layer_idx=i) for i in range(num_layers))
+        self.norm = copy.deepcopy(base.norm).requires_grad_(True)  # trainable, starts as the base's final norm
+        self.lm_head = copy_lm_head(base) if own_lm_head else None
+        self._init_identity()
+        self.to(device=base.device, dtype=base.dtype)
+        self.unroll_steps = unroll_steps
+        self.feature_weight = feature_weight
+        self.target_offsets = list(range(1, unroll_steps + 1))
+        self.head_names = [f"step{j}" for j in range(1, unroll_steps + 1)]
+        self.max_depth = None  # a chain can run as deep as the sampler asks
+
+    @torch.no_grad()
+    def _init_identity(self) -> None:
+        """A fresh predictor returns ĥ = norm(fc([h; e])) = h exactly, i.e. it starts as the base's own head on
+        h_t (like a fresh Medusa head) instead of as noise. The h-half of fc undoes the final norm's weight, so
+        the stream the blocks see is unit-RMS like the base's residual direction; the token half and every
+        block's output projections start at zero (each residual branch is then the identity) and get gradient
+        from the first step."""
+        h = self.fc.in_features // 2
+        w = self.base.norm.weight.detach().float()
+        w = torch.where(w.abs() < 1e-2, torch.full_like(w, 1e-2).copysign(w), w)  # no blow-up at tiny weights
+        self.fc.weight.zero_()
+        self.fc.weight[:, :h].copy_(torch.diag(1 / w))
+        for block in self.blocks:
+            nn.init.zeros_(block.self_attn.o_proj.weight)
+            nn.init.zeros_(block.mlp.down_proj.weight)
+
+    # -- pieces shared by training and sampling ----------------------------------------------------------------
+    def step_input(self, feature: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """[..., H] feature of position t (real or predicted) and [..., H] embedding of x_{t+1} -> [..., H]."""
+        return self.fc(torch.cat([feature, self.emb_norm(token_emb)], dim=-1))
+
+    def readout(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block output [..., H] -> (predicted normed feature ĥ [..., H], logits [..., V])."""
+        hat = self.norm(out)
+        return hat, (self.base.lm_head(hat) if self.lm_head is None else self.lm_head(hat))
+
+    def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Blocks over x [B, n, H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
+        pos = pos[None]  # [1, n]
+        rope = self.base.rotary_emb(x, pos)
+        for block in self.blocks:
+            out = block(
+                x, attention_mask=mask[None, None], position_ids=pos, past_key_values=cache, use_cache=True,
+                position_embeddings=rope,
+            )
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
+        h = feats.hidden[LAST]  # [B, T, H]
+        logits, hats = self.unroll(h, input_ids, self.unroll_steps)
+        if not self.feature_weight:
+            return TrainOutput(logits=logits)
+        # Step j's ĥ at t is the base's real h_{t+j+1}, which exists for t < T-j-1.
+        t = h.shape[1]
+        per_step = torch.stack(
+            [F.smooth_l1_loss(_wide(hats[:, : t - j - 1, j]), _wide(h[:, j + 1 :])) for j in range(hats.shape[2])
+             if t - j - 1 > 0]
+        )  # [steps]
+        feature_loss = per_step.mean()
+        return TrainOutput(
+            logits=logits,
+            aux_loss=self.feature_weight * feature_loss,
+            aux_metrics={"feature_loss": feature_loss.detach(), "feature_loss_last": per_step[-1].detach()},
+        )
+
+    def unroll(self, h: torch.Tensor, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `steps` steps of every chain, each step on the previous step's OWN predicted feature.
+        h [B, T, H] real features, input_ids [B, T] -> logits [B, T, steps, V] (step j at t predicts x_{t+j+2})
+        and predicted features ĥ [B, T, steps, H] (step j at t predicts h_{t+j+1})."""
+        b, t, hs = h.shape
+        dev = h.device
+        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
+        # emb(x_{t+k}) at every t, zero past the end (those chains' targets do not exist: masked by the trainer)
+        padded = torch.cat([emb, emb.new_zeros(b, steps + 1, hs)], dim=1)  # [B, T+steps+1, H]
+
+        def ahead(k: int) -> torch.Tensor:
+            return padded[:, k : k + t]  # [B, T, H]
+
+        # Step 0 over [sink, (h_0, x_1), …, (h_{T-1}, x_T)] at positions -1..T-1, causal.
+        x0 = self.step_input(torch.cat([h.new_zeros(b, 1, hs), h], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
+        neg = torch.finfo(x0.dtype).min
+        causal = torch.ones(t + 1, t + 1, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(t + 1, t + 1, dtype=x0.dtype, device=dev).masked_fill_(~causal, neg)
+        cache = DynamicCache()  # the keys of step 0 and of every later step, in that order
+        out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H] chain t, step 0
+        hat, logit = self.readout(out)
+        hats, logits = [hat], [logit]
+
+        # Keys a chain-t query may see at step j: step-0 slots 0..t+1 (sink + real entries ≤ t), then its own
+        # chain's entry in each of the steps 1..j (one key per chain per step: the identity pattern).
+        real = torch.ones(t, t + 1, dtype=torch.bool, device=dev).tril(diagonal=1)  # [T, T+1]
+        own = torch.eye(t, dtype=torch.bool, device=dev)  # [T, T]
+        for j in range(1, steps):
+            allowed = torch.cat([real] + [own] * j, dim=1)  # [T, T+1 + j·T]
+            mask = torch.zeros(allowed.shape, dtype=x0.dtype, device=dev).masked_fill_(~allowed, neg)
+            x = self.step_input(hat, ahead(j + 1))  # [B, T, H]: ĥ_{t+j} (own prediction) with x_{t+j+1}
+            out = self._run(x, torch.arange(j, t + j, device=dev), mask, cache)
+            hat, logit = self.readout(out)
+            hats.append(hat)
+            logits.append(logit)
+        return torch.stack(logits, dim=2), torch.stack(hats, dim=2)
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
+        h = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
+        # h: newest committed real feature per row (zero before the prompt); hats: the round's predicted ĥ per node
+        return {"h": h, "hats": NodeTable()}
+
+    def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
+        h = feats.hidden[LAST]  # [B, n, H]
+        # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h.
+        prev = torch.cat([state["h"][:, None], h[:, :-1]], dim=1)  # [B, n, H]
+        ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(tokens)), STORE, POSITION_OFFSET)
+        state["h"] = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H]
+        state["hats"] = NodeTable()  # a new round
+
+    def expand(
+        self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+        nodes: torch.Tensor,
+    ) -> torch.Tensor:
+        emb = self.base.embed_tokens(tokens)  # [B, N, H]
+        if depth == 0:
+            feature = state["h"][:, None]  # [B, 1, H]: the root entry (h_t, x_{t+1}), written in the root's slot
+        else:
+            feature = state["hats"].get(parents)  # [B, N, H] the parents' predicted features
+        out = ctx.run_layers(self.blocks, self.step_input(feature, emb), STORE, POSITION_OFFSET)
+        hat, logits = self.readout(out)  # [B, N, H], [B, N, V]
+        state["hats"].put(hat, nodes)
+        return logits
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for a loss: bf16/fp16 features are upcast, fp64 ones are left alone."""
+    return x if x.element_size() >= 4 else x.float()
