@@ -69,22 +69,32 @@ class DraftTrainer(L.LightningModule):
         dtype = next(self.drafter.parameters()).dtype
         return Features({l: h.to(dtype) for l, h in feats.hidden.items()}, feats.logits.float())
 
-    def _entry_losses(self, out: TrainOutput, feats: Features, input_ids: torch.Tensor):
+    def _entry_losses(self, out: TrainOutput, feats: Features, input_ids: torch.Tensor, metrics: bool):
         """Per entry j (offset o): draft logits at t vs the base's distribution at t+o and the data token t+1+o.
-        Yields (j, loss_j, top1_j, accept_j), the last two as [N] per-position tensors."""
+        Yields (j, loss_j, kl_j, top1_j, accept_j); top1/accept are [B, n] per-position tensors (None unless
+        `metrics`). These [B, n, V] passes dominate a step's cost after the matmuls: keep them few and fused."""
         T = input_ids.shape[1]
-        for j, o in enumerate(self.drafter.target_offsets):
+        p_logp = F.log_softmax(feats.logits, -1)  # [B, T, V], once for every entry
+        p = p_logp.exp()
+        neg_entropy = (p * p_logp).sum(-1)  # [B, T] Σ p log p, so KL(p || q) = CE(q; p) + Σ p log p
+        # unbind once: slicing entries out of [B, T, K, V] one by one would make autograd zero-fill a full
+        # [B, T, K, V] gradient per entry
+        for j, (o, q) in enumerate(zip(self.drafter.target_offsets, out.logits.float().unbind(2))):
             n = T - 1 - o  # positions t with both a target distribution (t+o) and a data label (t+1+o)
-            q_logp = F.log_softmax(out.logits[:, :n, j].float(), -1)  # [B, n, V]
-            p_logp = F.log_softmax(feats.logits[:, o : o + n], -1)  # [B, n, V]
-            labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
-            kl = F.kl_div(q_logp, p_logp, log_target=True, reduction="none").sum(-1)  # KL(p || q) [B, n]
-            ce = F.nll_loss(q_logp.transpose(1, 2), labels, reduction="none")  # [B, n]
-            loss = (self.kl_weight * kl + self.ce_weight * ce).mean()
-            with torch.no_grad():
-                top1 = (q_logp.argmax(-1) == p_logp.argmax(-1)).float()
-                accept = torch.minimum(q_logp.exp(), p_logp.exp()).sum(-1)  # Σ_v min(p, q) = 1 − TV
-            yield j, loss, top1, accept
+            q, pt = q[:, :n], p[:, o : o + n]  # [B, n, V] each
+            # soft-target cross-entropy  lse(q) − Σ_v p·q  as a batched dot: no [B, n, V] temporaries
+            cross = (pt.unsqueeze(-2) @ q.unsqueeze(-1))[..., 0, 0]  # [B, n]
+            kl = torch.logsumexp(q, -1) - cross + neg_entropy[:, o : o + n]  # KL(p || q) [B, n]
+            loss = self.kl_weight * kl.mean()
+            if self.ce_weight:
+                labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
+                loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]), labels.reshape(-1))
+            top1 = accept = None
+            if metrics:
+                with torch.no_grad():
+                    top1 = (q.argmax(-1) == feats.logits[:, o : o + n].argmax(-1)).float()
+                    accept = torch.minimum(q.softmax(-1), pt).sum(-1)  # Σ_v min(p, q)
+            yield j, loss, kl.detach().mean(), top1, accept
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         input_ids = batch["input_ids"]
@@ -92,17 +102,18 @@ class DraftTrainer(L.LightningModule):
         out = self.drafter.forward_train(feats, input_ids)
         total = torch.zeros((), device=self.device)
         names = self.drafter.head_names
-        for j, loss, top1, accept in self._entry_losses(out, feats, input_ids):
+        val = stage == "val"
+        for j, loss, kl, top1, accept in self._entry_losses(out, feats, input_ids, metrics=val):
             total = total + self.entry_weights[j] * loss
-            self.log(f"{stage}/{names[j]}_loss", loss, on_step=stage == "train", on_epoch=True)
-            if stage == "val":
+            self.log(f"{stage}/{names[j]}_kl", kl, on_step=not val, on_epoch=True)
+            if val:
                 self.val_top1[j].update(top1)
                 self.val_accept[j].update(accept)
         if out.aux_loss is not None:
             total = total + out.aux_loss
         for name, value in (out.aux_metrics or {}).items():
-            self.log(f"{stage}/{name}", value, on_step=stage == "train", on_epoch=True)
-        self.log(f"{stage}/loss", total, prog_bar=True, on_step=stage == "train", on_epoch=True)
+            self.log(f"{stage}/{name}", value, on_step=not val, on_epoch=True)
+        self.log(f"{stage}/loss", total, prog_bar=True, on_step=not val, on_epoch=True)
         return total
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

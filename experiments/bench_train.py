@@ -1,0 +1,67 @@
+"""Training throughput of a drafter vs the frozen base's forward alone, on the same batches, interleaved in
+one run (these machines are noisy: only the ratio is meaningful).
+
+    .venv/bin/python experiments/bench_train.py drafter=medusa [steps=6] [any train.py override ...]
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra import compose, initialize_config_dir
+
+from specdec.training import DraftTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str]) -> None:
+    steps = int(next((a.split("=", 1)[1] for a in argv if a.startswith("steps=")), 6))
+    overrides = [a for a in argv if not a.startswith("steps=")]
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["paths.output_dir=/tmp/specdec-bench", *overrides])
+    torch.manual_seed(cfg.seed)
+    base = hydra.utils.instantiate(cfg.base)
+    drafter = hydra.utils.instantiate(cfg.drafter)(base=base).to(base.device)
+    module: DraftTrainer = hydra.utils.instantiate(cfg.module)(base=base, drafter=drafter)
+    dm = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+    dm.setup()
+    opt = module.optimizer(params=[p for p in drafter.parameters() if p.requires_grad])
+    module.log = lambda *a, **k: None  # no trainer attached: logging is not what we time
+    batches = iter(dm.train_dataloader())
+
+    def base_only(ids):
+        module._features(ids)
+
+    def train_step(ids):
+        loss = module._step({"input_ids": ids}, "train")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t = {"base": 0.0, "train": 0.0}
+    ids = next(batches)["input_ids"].to(base.device)
+    base_only(ids), train_step(ids)  # warm-up
+    tokens = 0
+    for _ in range(steps):
+        ids = next(batches)["input_ids"].to(base.device)
+        for name, fn in (("base", base_only), ("train", train_step)):
+            t0 = time.perf_counter()
+            fn(ids)
+            if base.device.type == "cuda":
+                torch.cuda.synchronize()
+            t[name] += time.perf_counter() - t0
+        tokens += ids.numel()
+    n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    print(f"| drafter | trainable params | base forward tok/s | training tok/s | ratio |")
+    print(f"|---|---|---|---|---|")
+    print(f"| {cfg.drafter._target_.rsplit('.', 1)[-1]} | {n_train:,} | {tokens / t['base']:.0f} | "
+          f"{tokens / t['train']:.0f} | {t['base'] / t['train']:.2f} |")
+    print(f"({steps} batches of {ids.shape[0]}x{ids.shape[1]} tokens, {torch.get_num_threads()} threads, "
+          f"{base.device}, {base.dtype})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""The sampler's side of the `DraftContext` protocol (specdec/drafters/drafter.py): it owns every KV store,
+the per-row committed lengths, and the query layout (slots, rotary positions, 4D mask) of the current call.
+
+Slot arithmetic, shared by every store: a committed token at position t lives in slot t. In a round, node i
+of the draft tree (0 = the root, the base's newest token) is written at slot L_b + i and rotated as position
+L_b + depth(i), where L_b is row b's committed length. A query sees the committed prefix (slots < L_b) plus
+the round slots its layout marks visible (its ancestors, itself included). Everything else, stale drafts of
+earlier rounds included, is masked; this is what makes rollback a pointer move."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from specdec.base import Base
+from specdec.sampling.cache import SlotCache
+
+
+class SamplingContext:
+    def __init__(self, base: Base, batch_size: int, max_len: int):
+        self.base = base
+        self.max_len = max_len
+        self.stores: dict[str, SlotCache] = {"base": SlotCache(max_len)}
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=base.device)  # [B] committed L_b
+        self.length_host = [0] * batch_size  # the same on the host: sizes the key window without a sync
+        # layout of the current call (set by commit_layout / tree_layout)
+        self.slots: torch.Tensor | None = None  # [B, n]
+        self.positions: torch.Tensor | None = None  # [B, n]
+        self.mask: torch.Tensor | None = None  # [B, 1, n, W] additive, or None when nothing needs masking
+        self.width = 0
+        self.write_start: int | None = None
+
+    # -- layouts -------------------------------------------------------------------------------
+    def commit_layout(self, n: int) -> None:
+        """Queries = the n positions after each row's committed prefix, causal (prefill and `observe`)."""
+        rel = torch.arange(n)
+        self._layout(rel, rel, torch.ones(n, n, dtype=torch.bool).tril())
+
+    def tree_layout(self, rel_slots: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> None:
+        """Queries = round nodes at round-relative slots rel_slots [n] (CPU), rotary depth [n] (CPU);
+        visible [n, R] (CPU, bool): which round-relative slots each query sees (its ancestors and itself)."""
+        self._layout(rel_slots, depth, visible)
+
+    def _layout(self, rel: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> None:
+        dev = self.length.device
+        n = rel.numel()
+        r = int(rel.max()) + 1  # round slots past the last query are never visible: keep them out of the window
+        visible = visible[:, :r]
+        lmax = max(self.length_host)
+        self.width = lmax + r
+        if self.width > self.max_len:
+            raise RuntimeError(f"KV window {self.width} exceeds the preallocated {self.max_len} slots")
+        rel_d, depth_d = rel.to(dev), depth.to(dev)
+        self.slots = self.length[:, None] + rel_d[None]  # [B, n]
+        self.positions = self.length[:, None] + depth_d[None]  # [B, n]
+        aligned = min(self.length_host) == lmax
+        contiguous = bool((rel == torch.arange(n) + int(rel[0])).all())
+        self.write_start = lmax + int(rel[0]) if aligned and contiguous else None
+        if aligned and n == 1 and bool(visible.all()):
+            self.mask = None  # one query that sees the whole window: sdpa needs no mask
+            return
+        key_rel = torch.arange(self.width, device=dev)[None] - self.length[:, None]  # [B, W]
+        in_round = (key_rel >= 0) & (key_rel < r)
+        seen = visible.to(dev)[:, key_rel.clamp(0, r - 1)].permute(1, 0, 2)  # [B, n, W]
+        allowed = (key_rel < 0)[:, None, :] | (in_round[:, None, :] & seen)
+        dtype = self.base.dtype
+        self.mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )[:, None]  # [B, 1, n, W]
+
+    def _store(self, name: str) -> SlotCache:
+        if name not in self.stores:
+            self.stores[name] = SlotCache(self.max_len)
+        store = self.stores[name]
+        store.write_slots, store.write_start, store.width = self.slots, self.write_start, self.width
+        return store
+
+    # -- forwards ------------------------------------------------------------------------------
+    def run_layers(
+        self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
+    ) -> torch.Tensor:
+        """DraftContext.run_layers: HF decoder layers over hidden [B, n, H] in the current layout -> [B, n, H]."""
+        cache = self._store(store)
+        pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
+        rope = self.base.rotary_emb(hidden, pos)
+        for layer in layers:
+            out = layer(
+                hidden, attention_mask=self.mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                position_embeddings=rope,
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
+        """The base model's own forward over input_ids [B, n] in the current layout, writing the base store.
+        Returns the normed last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers."""
+        out = self.base.model.model(
+            input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
+            past_key_values=self._store("base"), use_cache=True, output_hidden_states=bool(feature_layers),
+        )
+        hidden = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
+        return out.last_hidden_state, hidden
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def move_path(self, verify_rel: torch.Tensor, draft_rel: torch.Tensor) -> None:
+        """Move the accepted path to contiguous slots L_b, L_b + 1, ... in every store. verify_rel / draft_rel
+        [B, k]: round-relative slots of the path in the verify forward (base store) and in `expand` (other
+        stores); they differ only when a dynamic tree is pruned between drafting and verification."""
+        dst = self.length[:, None] + torch.arange(verify_rel.shape[1], device=self.length.device)  # [B, k]
+        for name, store in self.stores.items():
+            src = verify_rel if name == "base" else draft_rel
+            store.move(self.length[:, None] + src, dst)
+
+    def commit(self, n_new: torch.Tensor, n_new_host: list[int]) -> None:
+        """Advance each row's committed length by n_new [B] (given on host too, to avoid a sync)."""
+        self.length += n_new
+        self.length_host = [l + k for l, k in zip(self.length_host, n_new_host)]

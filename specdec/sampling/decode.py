@@ -1,0 +1,213 @@
+"""The decode loop: prefill, then rounds of draft -> one base verify forward -> accept -> rollback by pointer.
+Plain autoregressive decoding is the same loop with no drafter (a round of one node: the root)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.base import Base, Features
+from specdec.drafters.drafter import Drafter
+from specdec.sampling import verify
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
+
+
+@dataclass
+class SamplerConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy verification
+    top_k: int = 0  # 0 = off; applied to p and q alike
+    top_p: float = 1.0
+    tree: str = "chain"  # chain | static | dynamic
+    gamma: int = 4  # chain length
+    paths: list[list[int]] | None = None  # static tree: index paths into each depth's top-k
+    dynamic_depth: int = 4
+    dynamic_topk: int = 4  # nodes expanded per depth, and children proposed per expanded node
+    dynamic_budget: int = 16  # draft nodes verified per round
+    acceptance: str = "rejection"  # at T > 0: rejection (lossless) | typical (lossy, Medusa §3.3.1)
+    typical_eps: float = 0.3
+    typical_delta: float = 0.09
+    eos_token_id: int | list[int] | None = None  # None: the base config's eos; [] never stops early
+
+    @property
+    def lossless(self) -> bool:
+        return self.temperature == 0 or self.acceptance == "rejection"
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # [B, max_new_tokens], -1 after each row's end
+    num_generated: list[int]  # per row
+    accepted: list[list[int]]  # per row, per round it took part in: draft tokens accepted a_s
+    drafted: list[list[int]]  # per row, per round: draft nodes verified (γ_s; N_s - 1 for trees)
+    lossless: bool
+    ttft_s: float  # prefill up to the first token of every row
+    total_s: float
+    step_draft_s: list[float] = field(default_factory=list)  # per round: drafting (expand + observe)
+    step_verify_s: list[float] = field(default_factory=list)  # per round: the base verify forward
+    step_overhead_s: list[float] = field(default_factory=list)  # per round: acceptance, rollback, bookkeeping
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.ttft_s
+
+
+class RowUniform:
+    """Draws one U(0,1) per row. With one generator per row, a row's stream is independent of the batch."""
+
+    def __init__(self, generator: torch.Generator | list[torch.Generator] | None, batch: int, device: torch.device):
+        self.generator, self.batch, self.device = generator, batch, device
+
+    def __call__(self) -> torch.Tensor:
+        if isinstance(self.generator, list):
+            return torch.cat([torch.rand(1, generator=g, device=self.device) for g in self.generator])
+        return torch.rand(self.batch, generator=self.generator, device=self.device)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cfg: SamplerConfig,
+           uniform: RowUniform) -> Round:
+    limit = drafter.max_depth or 1 << 30
+    if cfg.tree == "dynamic":
+        if cfg.dynamic_depth > limit:
+            raise ValueError(f"dynamic_depth {cfg.dynamic_depth} > the drafter's max_depth {limit}")
+        return draft_dynamic(drafter, state, ctx, root, cfg.dynamic_depth, cfg.dynamic_topk, cfg.dynamic_budget)
+    paths = chain_paths(cfg.gamma) if cfg.tree == "chain" else close_paths(cfg.paths or [])
+    if max(len(p) for p in paths) > limit:
+        raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
+    sampled = cfg.tree == "chain" and cfg.temperature > 0
+    draw = sample_chain_fn(cfg.temperature, cfg.top_k, cfg.top_p, uniform) if sampled else None
+    return draft_static(drafter, state, ctx, root, paths, draw)
+
+
+def _max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
+    if drafter is None:
+        return 1
+    if cfg.tree == "dynamic":
+        return 1 + cfg.dynamic_depth * cfg.dynamic_topk * cfg.dynamic_topk
+    return 1 + (cfg.gamma if cfg.tree == "chain" else len(close_paths(cfg.paths or [])))
+
+
+def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform):
+    dev = logits.device
+    parents, anc, depth = rnd.parents.to(dev), rnd.ancestors.to(dev), rnd.depth.to(dev)
+    if cfg.temperature == 0:
+        return verify.greedy(logits, rnd.tokens, parents, anc, depth)
+    p = verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B, N, V]
+    if cfg.acceptance == "typical":
+        return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform)
+    max_depth = int(rnd.depth.max())
+    return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform)
+
+
+def _first_token(cfg: SamplerConfig, logits: torch.Tensor, uniform: RowUniform) -> torch.Tensor:
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    return verify.sample(verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p), uniform())
+
+
+@torch.no_grad()
+def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = None,
+             cfg: SamplerConfig = SamplerConfig(),
+             generator: torch.Generator | list[torch.Generator] | None = None) -> GenerationResult:
+    """Decode every prompt (ragged lengths) with `drafter` (None = plain autoregressive). `generator`: one for
+    the batch, or one per row (then row b's output equals its output alone)."""
+    dev, b = base.device, len(prompt_ids)
+    eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    lens = [len(p) for p in prompt_ids]
+    longest = max(lens)
+    ctx = SamplingContext(base, b, longest + cfg.max_new_tokens + _max_nodes(cfg, drafter) + 1)
+    uniform = RowUniform(generator, b, dev)
+    layers = tuple(drafter.feature_layers) if drafter is not None else ()
+
+    # -- prefill --------------------------------------------------------------------------------
+    t_start = _now(dev)
+    ids = torch.tensor([p + [0] * (longest - len(p)) for p in prompt_ids], device=dev)  # [B, P] right-padded
+    n_prompt = torch.tensor(lens, device=dev)
+    ctx.commit_layout(ids.shape[1])
+    hidden, feats = ctx.base_forward(ids, layers)  # [B, P, H]
+    last = hidden[torch.arange(b, device=dev), n_prompt - 1]  # [B, H]
+    root = _first_token(cfg, base.lm_head(last), uniform)  # [B]
+    state = None
+    if drafter is not None:
+        state = drafter.init_state(b, ctx.max_len)
+        drafter.observe(state, ctx, Features(feats, base.lm_head(hidden)), ids, n_prompt, root)
+    ctx.commit(n_prompt, lens)
+
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    accepted: list[list[int]] = [[] for _ in range(b)]
+    drafted: list[list[int]] = [[] for _ in range(b)]
+
+    def emit(row: int, toks: list[int]) -> None:
+        for t in toks:
+            out[row].append(t)
+            if t in eos or len(out[row]) >= cfg.max_new_tokens:
+                done[row] = True
+                return
+
+    for row, t in enumerate(root.tolist()):
+        emit(row, [t])
+    t_first = _now(dev)
+    result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
+
+    # -- rounds ---------------------------------------------------------------------------------
+    while not all(done):
+        t0 = _now(dev)
+        if drafter is None:
+            rnd = Round(root[:, None], torch.tensor([-1]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
+                        torch.tensor([0]))
+        else:
+            rnd = _draft(drafter, state, ctx, root, cfg, uniform)
+        t1 = _now(dev)
+        ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
+        hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
+        logits = base.lm_head(hidden)  # [B, N, V]
+        t2 = _now(dev)
+        best, bonus = _accept(cfg, rnd, logits, uniform)  # [B], [B]
+        # the accepted path, root first, padded by repeating its last node: [B, D + 1]
+        on_path = rnd.ancestors.to(dev)[best]  # [B, N]
+        n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
+        depth = rnd.depth.to(dev)
+        path = torch.where(on_path, depth[None], rnd.size).argsort(-1)[:, : int(rnd.depth.max()) + 1]
+        path = torch.where(torch.arange(path.shape[1], device=dev)[None] <= n_acc[:, None], path,
+                           best[:, None])  # ancestors sorted by depth, then `best` again as padding
+        path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
+        n_acc_host, block = n_acc.tolist(), torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist()
+        active = [not d for d in done]
+        for row in range(b):
+            if active[row]:
+                accepted[row].append(n_acc_host[row])
+                drafted[row].append(rnd.size - 1)
+                emit(row, block[row][: n_acc_host[row]] + [block[row][-1]])
+        n_new_host = [0 if d else k + 1 for k, d in zip(n_acc_host, done)]  # finished rows stay put
+        t3 = _now(dev)
+        if drafter is not None:
+            n = max(n_acc_host) + 1
+            if int(rnd.depth.max()) > 0 and not bool((rnd.parents[1:] == torch.arange(rnd.size - 1)).all()):
+                ctx.move_path(path[:, :n], rnd.draft_slots.to(dev)[path[:, :n]])  # a chain needs no move
+            sel = path[:, :n]  # [B, n]
+            gathered = {l: h.gather(1, sel[..., None].expand(-1, -1, h.shape[-1])) for l, h in feats.items()}
+            ctx.commit_layout(n)
+            drafter.observe(state, ctx, Features(gathered, logits.gather(1, sel[..., None].expand(
+                -1, -1, logits.shape[-1]))), path_tokens[:, :n], n_acc + 1, bonus)
+        ctx.commit(torch.tensor(n_new_host, device=dev), n_new_host)
+        root = bonus
+        t4 = _now(dev)
+        result.step_draft_s.append((t1 - t0) + (t4 - t3))
+        result.step_verify_s.append(t2 - t1)
+        result.step_overhead_s.append(t3 - t2)
+
+    result.total_s = _now(dev) - t_start
+    result.tokens = torch.tensor([o + [-1] * (cfg.max_new_tokens - len(o)) for o in out])
+    result.num_generated = [len(o) for o in out]
+    return result

@@ -1,0 +1,55 @@
+"""Speculative-decoding metrics (SPEC.md §4) as plain dicts, per prompt and per run, for evaluation to tabulate."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from specdec.sampling.decode import GenerationResult
+
+
+def prompt_metrics(accepted: list[int], drafted: list[int], num_tokens: int, seconds: float,
+                   decode_seconds: float) -> dict:
+    """One prompt: a_s accepted and γ_s drafted per round; tokens generated, end-to-end and decode-only time."""
+    steps = len(accepted)
+    emitted = [a + 1 for a in accepted]
+    depth = max(accepted, default=0)
+    # r_i = #{a_s >= i} / S and alpha_i = #{a_s >= i} / #{a_s >= i-1}, for i = 1..max depth reached
+    reach = [sum(a >= i for a in accepted) for i in range(depth + 1)]
+    return {
+        "steps": steps,
+        "tau": sum(emitted) / steps if steps else 1.0,
+        "alpha": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+        "r": [reach[i] / steps for i in range(1, depth + 1)],
+        "alpha_i": [reach[i] / reach[i - 1] for i in range(1, depth + 1)],
+        "accept_hist": dict(sorted(Counter(accepted).items())),
+        "tokens": num_tokens,
+        "tok_per_s": num_tokens / seconds if seconds > 0 else 0.0,
+        # the first token comes from the prefill, so decode-only throughput counts the rest
+        "decode_tok_per_s": (num_tokens - 1) / decode_seconds if decode_seconds > 0 else 0.0,
+    }
+
+
+def run_metrics(results: list[GenerationResult]) -> dict:
+    """Every row of every result (one per prompt at batch 1); means over prompts, pooled rates, time split."""
+    prompts = [
+        prompt_metrics(r.accepted[b], r.drafted[b], r.num_generated[b], r.total_s, r.decode_s)
+        for r in results for b in range(len(r.num_generated))
+    ]
+    accepted = [a for r in results for row in r.accepted for a in row]
+    drafted = [g for r in results for row in r.drafted for g in row]
+    steps = [(d, v, o) for r in results for d, v, o in zip(r.step_draft_s, r.step_verify_s, r.step_overhead_s)]
+    n = len(prompts)
+    return {
+        "prompts": prompts,
+        "lossless": all(r.lossless for r in results),
+        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else 1.0,
+        "alpha": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+        "accept_hist": dict(sorted(Counter(accepted).items())),
+        "tok_per_s": sum(p["tok_per_s"] for p in prompts) / n,
+        "decode_tok_per_s": sum(p["decode_tok_per_s"] for p in prompts) / n,
+        "pooled_tok_per_s": sum(p["tokens"] for p in prompts) / sum(r.total_s for r in results),
+        "ttft_s": sum(r.ttft_s for r in results) / len(results),
+        "t_draft_s": sum(s[0] for s in steps) / max(len(steps), 1),
+        "t_verify_s": sum(s[1] for s in steps) / max(len(steps), 1),
+        "t_overhead_s": sum(s[2] for s in steps) / max(len(steps), 1),
+    }

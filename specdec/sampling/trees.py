@@ -1,0 +1,181 @@
+"""Draft trees: their shapes (chain, static Medusa-style paths, dynamic EAGLE-2-style growth) and one round of
+drafting through `drafter.expand`. The tree structure is shared by all rows of a batch (the `expand` protocol
+passes one `parents` for all rows); only the tokens differ per row."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specdec.drafters.drafter import Drafter
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.verify import process_logits, sample
+
+Path = tuple[int, ...]  # (i_1, ..., i_d): the i_1-th top token at depth 1, then the i_2-th of its children, ...
+
+
+def chain_paths(gamma: int) -> list[Path]:
+    return [(0,) * d for d in range(1, gamma + 1)]
+
+
+def close_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
+    """Add every missing prefix and order by (depth, path): parents come before children, siblings by rank."""
+    out = {()}
+    for p in paths:
+        out.update(tuple(p[:d]) for d in range(1, len(p) + 1))
+    return sorted(out - {()}, key=lambda p: (len(p), p))
+
+
+def tree_from_accuracies(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path]:
+    """A static tree from measured per-depth top-k accuracies (Medusa §3.2 style). accuracy[d][k] = how often
+    the k-th ranked draft at depth d+1 is the right token. A path's value is the product of its ranks'
+    accuracies (its chance to be accepted, treating depths as independent); grow the tree greedily by value, a
+    node joining only after its parent, up to num_nodes draft nodes."""
+    frontier = [(-accuracy[0][k], (k,)) for k in range(len(accuracy[0]))]
+    heapq.heapify(frontier)
+    chosen: list[Path] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):
+            for k, acc in enumerate(accuracy[len(path)]):
+                heapq.heappush(frontier, (neg_value * acc, path + (k,)))
+    return close_paths(chosen)
+
+
+@dataclass
+class Round:
+    """The draft tree of one round; node 0 is the root. Draft nodes keep the indices they were drafted at."""
+
+    tokens: torch.Tensor  # [B, N]
+    parents: torch.Tensor  # [N] (CPU), -1 for the root
+    depth: torch.Tensor  # [N] (CPU)
+    ancestors: torch.Tensor  # [N, N] bool (CPU), ancestor-or-self
+    draft_slots: torch.Tensor  # [N] (CPU) round-relative slot each node had during drafting
+    q: torch.Tensor | None = None  # [B, N, V] distribution each node's token was sampled from (sampled chains)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def children(self) -> torch.Tensor:
+        """[N, K] children in sibling (rank) order, -1 padded."""
+        n = self.size
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                kids[p].append(i)
+        k = max(1, max(len(c) for c in kids))
+        return torch.tensor([c + [-1] * (k - len(c)) for c in kids], dtype=torch.long)
+
+
+class TreeBuilder:
+    """Grows a round's tree node by node; `expand` runs the drafter on a frontier in the matching layout."""
+
+    def __init__(self, root: torch.Tensor, capacity: int):
+        b = root.shape[0]
+        self.tokens = root.new_zeros(b, capacity)
+        self.tokens[:, 0] = root
+        self.parents, self.depth = [-1], [0]
+        self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool)
+        self.ancestors[0, 0] = True
+        self.q: list[torch.Tensor | None] = [None]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def add(self, parents: list[int], tokens: torch.Tensor, q: torch.Tensor | None = None) -> list[int]:
+        """Register children of `parents` with tokens [B, k] (q [B, k, V] if they were sampled)."""
+        ids = list(range(self.size, self.size + len(parents)))
+        self.tokens[:, ids] = tokens
+        for j, (i, p) in enumerate(zip(ids, parents)):
+            self.parents.append(p)
+            self.depth.append(self.depth[p] + 1)
+            self.ancestors[i] = self.ancestors[p]
+            self.ancestors[i, i] = True
+            self.q.append(None if q is None else q[:, j])
+        return ids
+
+    def expand(self, drafter: Drafter, state: Any, ctx: SamplingContext, frontier: list[int]) -> torch.Tensor:
+        """Children logits [B, F, V] of the frontier nodes (all at one depth)."""
+        f = torch.tensor(frontier)
+        depth = self.depth[frontier[0]]
+        ctx.tree_layout(f, torch.full_like(f, depth), self.ancestors[f])
+        parents = torch.tensor([self.parents[i] for i in frontier])
+        return drafter.expand(state, ctx, self.tokens[:, frontier], parents, depth, f)
+
+    def finish(self, keep: list[int] | None = None) -> Round:
+        keep = list(range(self.size)) if keep is None else keep
+        remap = {old: new for new, old in enumerate(keep)}
+        k = torch.tensor(keep)
+        q = None if self.q[-1] is None or len(keep) == 1 else torch.stack(
+            [self.q[i] if self.q[i] is not None else torch.zeros_like(self.q[-1]) for i in keep], 1
+        )
+        return Round(
+            tokens=self.tokens[:, keep],
+            parents=torch.tensor([remap.get(self.parents[i], -1) for i in keep]),
+            depth=torch.tensor([self.depth[i] for i in keep]),
+            ancestors=self.ancestors[k][:, k],
+            draft_slots=k,
+            q=q,
+        )
+
+
+def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, paths: list[Path],
+                 sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> Round:
+    """A static tree (chains included): at each depth expand the nodes that have children and take, for the
+    child with path P + (k,), the k-th top token of its parent's draft logits. With `sample_chain` (sampling at
+    T > 0 on a chain) the single child is instead drawn from the post-processed q, which is kept."""
+    tree = TreeBuilder(root, len(paths) + 1)
+    node_of: dict[Path, int] = {(): 0}
+    max_depth = max((len(p) for p in paths), default=0)
+    for d in range(max_depth):
+        kids = [p for p in paths if len(p) == d + 1]
+        frontier = sorted({node_of[p[:-1]] for p in kids})
+        logits = tree.expand(drafter, state, ctx, frontier)  # [B, F, V]
+        pos = {node: j for j, node in enumerate(frontier)}
+        if sample_chain is not None:
+            token, q = sample_chain(logits[:, 0])  # [B], [B, V]
+            ids = tree.add([frontier[0]], token[:, None], q[:, None])
+        else:
+            top = logits.topk(max(p[-1] for p in kids) + 1, dim=-1).indices  # [B, F, k]
+            parent_pos = torch.tensor([pos[node_of[p[:-1]]] for p in kids])
+            rank = torch.tensor([p[-1] for p in kids])
+            ids = tree.add([node_of[p[:-1]] for p in kids], top[:, parent_pos, rank])
+        node_of.update(zip(kids, ids))
+    return tree.finish()
+
+
+def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
+                  topk: int, budget: int) -> Round:
+    """EAGLE-2-style: at each depth expand the `topk` best frontier nodes by path confidence (sum of the draft's
+    log-probs, averaged over rows since the structure is shared), each proposing its top-`topk` tokens; then keep
+    the `budget` best draft nodes. A child never scores above its parent, so the kept set is closed under
+    ancestors (ties resolve to the lower index, which is the parent)."""
+    tree = TreeBuilder(root, 1 + depth * topk * topk)
+    score = torch.zeros(1 + depth * topk * topk)  # [capacity] mean path log-prob
+    frontier = [0]
+    for _ in range(depth):
+        logp = tree.expand(drafter, state, ctx, frontier).float().log_softmax(-1)  # [B, F, V]
+        top = logp.topk(topk, dim=-1)  # [B, F, k]
+        parents = [f for f in frontier for _ in range(topk)]
+        ids = tree.add(parents, top.indices.flatten(1))
+        score[ids] = score[parents] + top.values.mean(0).flatten().cpu()
+        order = sorted(ids, key=lambda i: -score[i].item())
+        frontier = sorted(order[:topk])
+    draft = sorted(range(1, tree.size), key=lambda i: (-score[i].item(), i))[:budget]
+    return tree.finish([0] + sorted(draft))
+
+
+def sample_chain_fn(temperature: float, top_k: int, top_p: float, uniform) -> Callable:
+    """Drafting at T > 0 on a chain: sample the child from the post-processed q and keep that q."""
+
+    def draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = process_logits(logits, temperature, top_k, top_p)  # [B, V]
+        return sample(q, uniform()), q
+
+    return draw

@@ -1,0 +1,168 @@
+"""The decode loop on tiny bases: greedy identity, rollback, batching, stopping, determinism (SPEC.md §6.5-9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from sampling_stubs import Oracle
+from specdec.base import tiny_base
+from specdec.drafters.drafter import Drafter
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.metrics import run_metrics
+
+NEW = 12
+TREE = [[0, 0, 0], [0, 1], [1], [1, 0], [2]]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def reference(base, prompts, new=NEW):
+    """Plain greedy decoding without any cache."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        for _ in range(new):
+            ids = torch.cat([ids, base(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def cfg(**kw):
+    return SamplerConfig(max_new_tokens=NEW, eos_token_id=[], **kw)
+
+
+def test_plain_decoding_matches_no_cache_greedy(base, prompts):
+    r = generate(base, prompts, None, cfg())
+    assert r.tokens.tolist() == reference(base, prompts)
+    assert all(a == [0] * (NEW - 1) for a in r.accepted)  # AR: one token per round after the prefill's
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+@pytest.mark.parametrize("right_for", [0, 1, 3, 100])  # none / partial / all accepted
+def test_chain_greedy_identity_and_accept_counts(base, prompts, gamma, right_for):
+    r = generate(base, prompts, Oracle(base, right_for), cfg(gamma=gamma))
+    assert r.tokens.tolist() == reference(base, prompts)
+    for row in r.accepted:  # every round accepts exactly min(k, γ); the last may be cut by the budget
+        assert row[:-1] == [min(right_for, gamma)] * (len(row) - 1)
+        assert row[-1] == min(right_for, gamma)
+
+
+@pytest.mark.parametrize("kw", [dict(tree="static", paths=TREE),
+                                dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6)])
+@pytest.mark.parametrize("right_for", [0, 2, 100])
+def test_tree_greedy_identity(base, prompts, kw, right_for):
+    r = generate(base, prompts, Oracle(base, right_for), cfg(**kw))
+    assert r.tokens.tolist() == reference(base, prompts)
+    assert max(max(a) for a in r.accepted) == min(right_for, 3)
+
+
+# yaml defaults sized for SmolLM2 that the 2-layer tiny base cannot take
+TINY_OVERRIDES = {"early_exit": {"exit_layers": [1], "num_extra_layers": 1}}
+
+
+def drafter_configs():
+    return sorted(Path(__file__).resolve().parents[1].glob("configs/drafter/*.yaml"))
+
+
+@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
+def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
+    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
+    drafter = hydra.utils.instantiate(node)(base=base)
+    assert isinstance(drafter, Drafter)
+    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    depth = min(3, drafter.max_depth or 3)
+    ref = reference(base, prompts)
+    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE])):
+        assert generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=4), dict(tree="static", paths=TREE)])
+def test_kv_rollback_matches_fresh_forward(base, prompts, kw):
+    """After rejections, the base's cached verify logits of every committed position equal a no-cache forward
+    over the accepted text: stale draft slots never leak into attention."""
+    oracle = Oracle(base, right_for=2)
+    r = generate(base, prompts, oracle, cfg(**kw))
+    for b, p in enumerate(prompts):
+        text = torch.tensor([p + r.tokens[b].tolist()])
+        fresh = base(text)[0]  # [T, V]
+        at = len(p)  # position of the first round's root
+        for logits, n_new in zip(oracle.seen_logits[1:], oracle.seen_n_new[1:]):
+            k = int(n_new[b])
+            if at + k > text.shape[1]:
+                break
+            torch.testing.assert_close(logits[b, :k], fresh[at : at + k], atol=1e-4, rtol=1e-4)
+            at += k
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batch_rows_equal_single_rows(base, prompts, temperature):
+    def gens():
+        return [torch.Generator().manual_seed(100 + b) for b in range(len(prompts))]
+
+    c = cfg(gamma=3, temperature=temperature)
+    batch = generate(base, prompts, Oracle(base, right_for=2), c, gens())
+    g = gens()
+    for b, p in enumerate(prompts):
+        single = generate(base, [p], Oracle(base, right_for=2), c, [g[b]])
+        assert batch.tokens[b].tolist() == single.tokens[0].tolist()
+        assert batch.accepted[b] == single.accepted[0]
+
+
+def test_ragged_acceptance_in_one_batch(base, prompts):
+    """Rows accept different counts in the same round and still match plain decoding, and each row alone."""
+    rows = [0, 2, 4]
+    r = generate(base, prompts, Oracle(base, right_for=rows), cfg(gamma=4))
+    assert r.tokens.tolist() == reference(base, prompts)
+    assert [a[0] for a in r.accepted] == rows
+    for b, p in enumerate(prompts):
+        assert generate(base, [p], Oracle(base, rows[b]), cfg(gamma=4)).accepted[0] == r.accepted[b]
+
+
+def test_eos_and_max_new_tokens(base, prompts):
+    ref = reference(base, prompts, new=NEW)
+    eos = ref[1][4]  # a token row 1 emits at step 5
+    for drafter, kw in [(None, {}), (Oracle(base), dict(gamma=4)), (Oracle(base, 1), dict(tree="static", paths=TREE))]:
+        r = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=NEW, eos_token_id=eos, **kw))
+        for b, row in enumerate(r.tokens.tolist()):
+            stop = ref[b].index(eos) + 1 if eos in ref[b] else NEW
+            assert row[:stop] == ref[b][:stop] and row[stop:] == [-1] * (NEW - stop)
+            assert r.num_generated[b] == stop
+        assert r.num_generated[1] == ref[1].index(eos) + 1 <= 5
+    for new in (1, 2, 5):  # never past max_new_tokens, even when a round accepts more than the room left
+        r = generate(base, prompts, Oracle(base), SamplerConfig(max_new_tokens=new, eos_token_id=[], gamma=4))
+        assert r.tokens.shape == (3, new) and r.num_generated == [new] * 3
+
+
+def test_seeded_determinism(base, prompts):
+    c = cfg(tree="static", paths=TREE, temperature=0.8, top_k=20, top_p=0.9)
+    runs = [generate(base, prompts, Oracle(base, 1), c, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
+    other = generate(base, prompts, Oracle(base, 1), c, torch.Generator().manual_seed(8))
+    assert other.tokens.tolist() != runs[0].tokens.tolist()
+
+
+def test_metrics_from_a_run(base, prompts):
+    r = generate(base, prompts, Oracle(base, right_for=2), cfg(gamma=4))
+    m = run_metrics([r])
+    assert m["lossless"] and len(m["prompts"]) == 3
+    assert m["tau"] == pytest.approx(3.0, abs=0.5)  # 2 accepted + bonus, the last round maybe cut short
+    p = m["prompts"][0]
+    assert p["tau"] == pytest.approx(1 + sum(p["r"]))  # τ = 1 + Σ r_i
+    assert p["alpha_i"][:2] == [1.0, 1.0] and p["accept_hist"].keys() <= {1, 2}
+    assert len(r.step_verify_s) == len(r.step_draft_s) == len(r.step_overhead_s) > 0

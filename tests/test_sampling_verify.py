@@ -1,0 +1,162 @@
+"""Acceptance rules in exact arithmetic (SPEC.md §6.1, §6.2, §6.4) and the small pieces around them."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import pytest
+import torch
+
+from specdec.sampling import verify
+from specdec.sampling.trees import close_paths, tree_from_accuracies
+
+V, GAMMA, T = 3, 2, 3  # vocabulary, draft length, emitted tokens compared
+
+
+def rand_dist(*key, v=V, sharp=1.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(key) % (2**31))
+    return (torch.randn(v, generator=g, dtype=torch.float64) * sharp).softmax(-1)
+
+
+@pytest.mark.parametrize("case", ["random", "disjoint", "equal", "one_hot", "q_one_hot"])
+def test_identity(case):
+    """q·min(1, p/q) + (1 − Σ min(p, q))·norm(max(0, p − q)) = p exactly, in float64."""
+    v = 7
+    p, q = rand_dist("p", case, v=v), rand_dist("q", case, v=v)
+    if case == "disjoint":
+        p, q = torch.cat([p[:3], torch.zeros(4, dtype=p.dtype)]), torch.cat([torch.zeros(3, dtype=p.dtype), q[3:]])
+        p, q = p / p.sum(), q / q.sum()
+    elif case == "equal":
+        q = p.clone()
+    elif case == "one_hot":
+        p = torch.nn.functional.one_hot(torch.tensor(2), v).double()
+    elif case == "q_one_hot":
+        q = torch.nn.functional.one_hot(torch.tensor(5), v).double()
+    x = torch.arange(v)
+    accept = torch.where(q > 0, verify.accept_probability(p.expand(v, v), q.expand(v, v), x), 0.0)
+    total = q * accept + (1 - torch.minimum(p, q).sum()) * verify.residual(p[None], q[None])[0]
+    torch.testing.assert_close(total, p, atol=1e-15, rtol=0)
+
+
+def base_p(ctx: tuple) -> torch.Tensor:
+    return rand_dist("base", ctx)
+
+
+def draft_q(ctx: tuple) -> torch.Tensor:
+    return rand_dist("draft", ctx, sharp=2.5)
+
+
+def drafts(ctx: tuple, bug: str | None):
+    """Every chain of GAMMA drafts with its probability and the q each draft reports."""
+    for d in itertools.product(range(V), repeat=GAMMA):
+        prob, qs = 1.0, []
+        for i in range(GAMMA):
+            q = draft_q(ctx + d[:i])
+            if bug == "greedy_with_q":  # the draft takes argmax but reports its full q (HF #32867)
+                prob *= float(d[i] == int(q.argmax()))
+            else:
+                prob *= float(q[d[i]])
+            qs.append(q)
+        if prob > 0:
+            yield d, prob, qs
+
+
+def speculative_law(ctx: tuple, n: int, bug: str | None = None) -> dict[tuple, float]:
+    """Exact law of the next n emitted tokens, enumerating every draft and every acceptance event."""
+    if n <= 0:
+        return {(): 1.0}
+    law: dict[tuple, float] = defaultdict(float)
+    for d, prob, qs in drafts(ctx, bug):
+        reach = prob  # probability of drafting d and accepting its first k tokens
+        for k in range(GAMMA + 1):
+            p = base_p(ctx + d[:k])
+            if k == GAMMA:  # all accepted: bonus from p
+                blocks = [(d + (y,), reach * float(p[y])) for y in range(V)]
+            else:
+                x = torch.tensor([d[k]])
+                a = 1.0 if bug == "accept_all" else float(verify.accept_probability(p[None], qs[k][None], x))
+                r = verify.residual(p[None], qs[k][None])[0]
+                blocks = [(d[:k] + (y,), reach * (1 - a) * float(r[y])) for y in range(V)]
+                reach *= a
+            for block, w in blocks:
+                if w == 0:
+                    continue
+                for rest, w2 in speculative_law(ctx + block, n - len(block), bug).items():
+                    law[(block + rest)[:n]] += w * w2
+            if k < GAMMA and reach == 0:
+                break
+    return law
+
+
+def autoregressive_law(ctx: tuple, n: int) -> dict[tuple, float]:
+    law = {}
+    for seq in itertools.product(range(V), repeat=n):
+        law[seq] = float(torch.prod(torch.stack([base_p(ctx + seq[:i])[seq[i]] for i in range(n)])))
+    return law
+
+
+def max_gap(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def test_exact_enumeration_equals_autoregressive_law():
+    target = autoregressive_law((0,), T)
+    law = speculative_law((0,), T)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    assert max_gap(law, target) < 1e-12
+
+
+@pytest.mark.parametrize("bug", ["accept_all", "greedy_with_q"])
+def test_exact_enumeration_catches_broken_samplers(bug):
+    """Negative controls: the same enumeration must see the two classic bugs."""
+    assert max_gap(speculative_law((0,), T, bug), autoregressive_law((0,), T)) > 1e-3
+
+
+def test_process_logits_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    torch.testing.assert_close(verify.process_logits(logits, 0.5), (logits / 0.5).softmax(-1))
+    p = verify.process_logits(logits, 1.0, top_k=2)
+    assert (p[0, 2:] == 0).all() and p[0, :2].sum() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    p = verify.process_logits(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the top two tokens
+    assert (p[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_sample_is_inverse_cdf():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(4, 4)
+    assert verify.sample(probs, torch.tensor([0.0, 0.49, 0.5, 0.999])).tolist() == [1, 1, 3, 3]
+
+
+def test_rejection_on_a_tree_with_point_masses():
+    """Root with children a (rank 0) and b (rank 1): p puts all mass on b, so a is rejected (p(a) = 0), the
+    residual is p itself and b is accepted with probability 1; the bonus comes from p at b."""
+    p = torch.zeros(1, 3, 4)
+    p[0, 0, 2] = 1.0  # at the root the base wants token 2
+    p[0, 2, 3] = 1.0  # after b it wants 3
+    p[0, 1] = 0.25
+    tokens = torch.tensor([[0, 1, 2]])
+    children = torch.tensor([[1, 2], [-1, -1], [-1, -1]])
+    best, bonus = verify.rejection(p, tokens, children, None, 1, lambda: torch.rand(1))
+    assert best.tolist() == [2] and bonus.tolist() == [3]
+
+
+def test_greedy_and_typical_pick_the_deepest_accepted_node():
+    parents = torch.tensor([-1, 0, 0, 1])
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2])
+    logits = torch.full((1, 4, 5), -5.0)
+    logits[0, 0, 1] = logits[0, 1, 3] = logits[0, 3, 4] = 5.0  # base: root -> 1 -> 3 -> 4
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    assert [t.tolist() for t in verify.greedy(logits, tokens, parents, anc, depth)] == [[3], [4]]
+    p = verify.process_logits(logits, 1.0)
+    best, bonus = verify.typical(p, tokens, parents, anc, depth, 0.3, 0.09, lambda: torch.zeros(1))
+    assert best.tolist() == [3]
+
+
+def test_tree_from_accuracies():
+    acc = [[0.8, 0.1, 0.05], [0.6, 0.1], [0.5]]
+    paths = tree_from_accuracies(acc, num_nodes=5)
+    assert paths == close_paths(paths) and len(paths) == 5
+    assert paths[:2] == [(0,), (1,)] and (0, 0) in paths and (0, 0, 0) in paths  # .8, .48, .24 beat .1·.6
+    assert all(p[:-1] in paths or len(p) == 1 for p in paths)
