@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specdec.base import Base
 from specdec.checkpoint import load_drafter, read_meta
+from specdec.data.prompts import render_chat
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.metrics import prompt_metrics
@@ -66,7 +67,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     methods = _methods(cfg, base, drafters, sampler)
 
     if cfg.warmup:  # compile, allocator and cache warm-up stay out of the timings
-        first = _render(base, [{"role": "user", "content": items[0]["turns"][0]}])
+        first = render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
         for m in methods:
             m.run([first] * m.batch)
 
@@ -141,7 +142,7 @@ def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[
         rows = [i for i, it in enumerate(chunk) if turn < len(it["turns"])]
         for i in rows:
             history[i].append({"role": "user", "content": chunk[i]["turns"][turn]})
-        results = m.run([_render(base, history[i]) for i in rows])
+        results = m.run([render_chat(base.tokenizer, history[i]) for i in rows])
         for i, r in zip(rows, results):
             runs[i].append(r)
             answer = base.tokenizer.decode(r.tokens, skip_special_tokens=True)
@@ -326,11 +327,6 @@ def _log_wandb(cfg: DictConfig, report: dict, md: str, plots: list[Path]) -> Non
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def _render(base: Base, messages: list[dict]) -> list[int]:
-    text = base.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return base.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def _cut_at_eos(tokens: list[int], eos) -> list[int]:
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
     for i, t in enumerate(tokens):

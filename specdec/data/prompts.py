@@ -35,3 +35,9 @@ def question_jsonl(path: str, limit: int | None = None) -> list[dict]:
     if not items:
         raise ValueError(f"{path}: no questions")
     return items[:limit]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template, ending with the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -4,6 +4,7 @@ Plain autoregressive decoding is the same loop with no drafter (a round of one n
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
+from specdec.sampling.cpu_gemv import SplitGemv
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
 
 
@@ -31,6 +33,7 @@ class SamplerConfig:
     typical_eps: float = 0.3
     typical_delta: float = 0.09
     eos_token_id: int | list[int] | None = None  # None: the base config's eos; [] never stops early
+    split_gemv: bool = True  # CPU only: run decode-time matrix-vector products on all threads (cpu_gemv.py)
 
     @property
     def lossless(self) -> bool:
@@ -120,6 +123,12 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
              generator: torch.Generator | list[torch.Generator] | None = None) -> GenerationResult:
     """Decode every prompt (ragged lengths) with `drafter` (None = plain autoregressive). `generator`: one for
     the batch, or one per row (then row b's output equals its output alone)."""
+    with SplitGemv() if cfg.split_gemv and base.device.type == "cpu" else nullcontext():
+        return _generate(base, prompt_ids, drafter, cfg, generator)
+
+
+def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, cfg: SamplerConfig,
+              generator: torch.Generator | list[torch.Generator] | None) -> GenerationResult:
     dev, b = base.device, len(prompt_ids)
     eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
