@@ -49,7 +49,7 @@ class Prophet(Drafter):
         # The base's decoder-layer class, built from the base config; layer_idx keys this drafter's own cache.
         layer_cls = type(base.layers[0])
         self.blocks = nn.ModuleList(layer_cls(base.config, layer_idx=i) for i in range(num_layers))
-        self.norm = copy.deepcopy(base.norm).requires_grad_(True)  # trainable, starts as the base's final norm
+        self.norm = copy.deepcopy(base.norm).requires_grad_(True).train()  # trainable, starts as the base's final norm
         self.lm_head = copy_lm_head(base) if own_lm_head else None
         self._init_identity()
         self.to(device=base.device, dtype=base.dtype)
