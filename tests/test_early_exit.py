@@ -168,10 +168,10 @@ def test_config_builds_the_drafter():
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs/drafter/early_exit.yaml")
-    cfg.exit_layers = [1, 2]  # the yaml's default exit is deeper than the 2-layer tiny base
+    cfg.exit_layers = [0, 1]  # the yaml's default exit is deeper than the 2-layer tiny base
     drafter = hydra.utils.instantiate(cfg)(base=make_base())
     assert isinstance(drafter, EarlyExit)
-    assert drafter.hparams["exit_layers"] == [1, 2] and type(drafter.hparams["exit_layers"]) is list
+    assert drafter.hparams["exit_layers"] == [0, 1] and type(drafter.hparams["exit_layers"]) is list
 
 
 # -- sampling side: the shared sampler with the early-exit drafter ------------------------------------------------
