@@ -4,6 +4,7 @@ template. A local file and a hub dataset name go through the same `load_rows`.""
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -48,11 +49,19 @@ def chat(path: str, split: str = "train", field: str = "messages", name: str | N
     return ds.map(to_messages, remove_columns=ds.column_names)
 
 
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """This Python's standard-library root and its source files, sorted, without tests/demos/GUI code."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP]  # pruned, not walked: site-packages can be huge
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return root, sorted(files)
+
+
 def stdlib_code(max_files: int | None = None) -> Dataset:
     """The embedded default corpus: this Python's own standard-library source files (no tests/GUI code)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not set(p.relative_to(root).parts[:-1]) & STDLIB_SKIP
-    )[:max_files]
+    root, files = stdlib_files()
+    files = files[:max_files]
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
     return Dataset.from_dict({"text": texts, "path": [str(p.relative_to(root)) for p in files]})

@@ -1,0 +1,250 @@
+"""Self-distilled training data: the frozen base's own responses to chat prompts. Drafters learn the base's
+distribution best from text the base itself wrote. Prompts are rendered exactly as evaluation renders them
+(`render_chat`: the base's chat template, assistant turn opened).
+
+Layout of `out_dir`:
+    meta.json              generation settings and base fingerprint; a rerun with others is refused
+    shards/00000/, ...     `Dataset.save_to_disk` of up to `shard_size` rows, written atomically: the unit of resuming
+        id, messages (prompt turns + the assistant's response), prompt, response, response_tokens, finished,
+        temperature, top_k, top_p, max_new_tokens, seed, engine, base, base_sha256
+
+Run: python -m specdec.data.distill [limit=2000] [sampler.temperature=0.7] [engine=hf]
+Train on it: python train.py data=distilled
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import hydra
+import torch
+from datasets import Dataset, concatenate_datasets, load_from_disk
+from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from specdec.base import Base
+from specdec.data.prompts import render_chat
+from specdec.sampling.decode import SamplerConfig, generate
+
+ENGINES = ("specdec", "hf")  # our decode loop with no drafter | transformers' generate with left padding
+
+
+def distill(
+    prompts: Dataset,
+    base: Base,
+    out_dir: str,
+    sampler: SamplerConfig,
+    batch_size: int = 16,
+    limit: int | None = None,
+    shard_size: int = 64,
+    seed: int = 0,
+    engine: str = "specdec",
+) -> Dataset:
+    """Generate the base's response to the first `limit` prompts (rows with `messages`, optionally `id`) into
+    `out_dir`. Resumable: prompts whose id is in a complete shard are skipped, so a rerun generates only the
+    rest; a rerun with other settings or another base is refused. Returns every row of `out_dir`."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    out = Path(out_dir).expanduser()
+    eos = _eos(base, sampler)
+    settings = {"temperature": float(sampler.temperature), "top_k": int(sampler.top_k), "top_p": float(sampler.top_p),
+                "max_new_tokens": int(sampler.max_new_tokens), "seed": int(seed), "engine": engine}
+    fingerprint = base.fingerprint()
+    _write_or_check_meta(out, {**settings, "eos_token_id": eos, "base": base.name, "fingerprint": fingerprint})
+
+    existing = _shards(out)
+    done = set(load_distilled(out)["id"]) if existing else set()
+    todo = [p for p in _prompt_rows(prompts, limit) if p[0] not in done]
+    run = (_ours if engine == "specdec" else _hf)(base, sampler, eos, seed)
+    constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
+    first = int(existing[-1].name) + 1 if existing else 0
+    generated, seconds = 0, 0.0
+    with tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
+        for s, lo in enumerate(range(0, len(todo), shard_size), start=first):
+            items = todo[lo : lo + shard_size]
+            t0 = time.perf_counter()
+            responses = _generate_shard(run, [render_chat(base.tokenizer, m) for _, m in items], [i for i, _ in items],
+                                        batch_size, bar)
+            seconds += time.perf_counter() - t0
+            generated += sum(len(r) for r in responses)
+            rows = [_row(base, i, m, r, eos) | constant for (i, m), r in zip(items, responses)]
+            _save_atomic(out / "shards" / f"{s:05d}", Dataset.from_list(rows))
+    if todo:
+        print(f"[specdec] distilled {len(todo):,} responses, {generated:,} tokens in {seconds:.0f} s "
+              f"({generated / max(seconds, 1e-9):.1f} tok/s, {engine}, batch {batch_size}) -> {out}")
+    return load_distilled(out)
+
+
+def load_distilled(out_dir: str | Path) -> Dataset:
+    """Every row of a distilled set: its complete shards, concatenated in order."""
+    shards = _shards(Path(out_dir).expanduser())
+    if not shards:
+        raise FileNotFoundError(f"no distilled data in {out_dir} (make it with: python -m specdec.data.distill)")
+    return concatenate_datasets([load_from_disk(str(p)) for p in shards])
+
+
+def distilled(path: str) -> Dataset:
+    """Data-module source: the distilled conversations as `messages` (rendered with the base's chat template)."""
+    return load_distilled(path).select_columns(["messages"])
+
+
+# -- prompts -----------------------------------------------------------------------------------------
+def _prompt_rows(prompts: Dataset, limit: int | None) -> list[tuple[str, list[dict]]]:
+    """(id, prompt turns) of the first `limit` distinct prompts. A conversation is cut before its first assistant
+    turn: later turns would answer someone else's assistant. Without an `id` column the id hashes the turns."""
+    rows, seen = [], set()
+    ids = prompts["id"] if "id" in prompts.column_names else None
+    for n, messages in enumerate(prompts["messages"]):
+        turns = []
+        for m in messages:
+            if m["role"] == "assistant":
+                break
+            turns.append({"role": m["role"], "content": m["content"]})
+        key = str(ids[n]) if ids is not None else hashlib.sha256(json.dumps(turns).encode()).hexdigest()[:16]
+        if key in seen or not any(t["role"] == "user" for t in turns):
+            continue
+        seen.add(key)
+        rows.append((key, turns))
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows
+
+
+# -- generation --------------------------------------------------------------------------------------
+Engine = Callable[[list[list[int]], list[str]], list[list[int]]]  # (prompt ids, row ids) -> generated tokens
+
+
+def _generate_shard(run: Engine, prompt_ids: list[list[int]], ids: list[str], batch_size: int,
+                    bar: tqdm) -> list[list[int]]:
+    """Generated tokens per prompt (EOS included when the base closed its turn), in the given order."""
+    order = sorted(range(len(ids)), key=lambda i: len(prompt_ids[i]))  # similar lengths together: less padding
+    out: list[list[int]] = [[] for _ in ids]
+    for lo in range(0, len(order), batch_size):
+        rows = order[lo : lo + batch_size]
+        for i, tokens in zip(rows, run([prompt_ids[i] for i in rows], [ids[i] for i in rows])):
+            out[i] = tokens
+        bar.update(len(rows))
+    return out
+
+
+def _ours(base: Base, sampler: SamplerConfig, eos: list[int], seed: int) -> Engine:
+    cfg = replace(sampler, eos_token_id=eos)
+
+    def run(prompt_ids: list[list[int]], ids: list[str]) -> list[list[int]]:
+        # one generator per row, seeded by the row's id: a sampled response does not depend on its batch or shard
+        gens = [torch.Generator(device=base.device).manual_seed(_row_seed(seed, i)) for i in ids]
+        r = generate(base, prompt_ids, None, cfg, generator=gens)
+        return [r.tokens[b, : r.num_generated[b]].tolist() for b in range(len(ids))]
+
+    return run
+
+
+def _hf(base: Base, sampler: SamplerConfig, eos: list[int], seed: int) -> Engine:
+    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos or [0])[0]
+    sampling = {"do_sample": True, "temperature": sampler.temperature, "top_p": sampler.top_p,
+                "top_k": sampler.top_k or None} if sampler.temperature > 0 else {"do_sample": False}
+
+    def run(prompt_ids: list[list[int]], ids: list[str]) -> list[list[int]]:
+        longest = max(len(p) for p in prompt_ids)
+        ids_t = torch.tensor([[pad] * (longest - len(p)) + p for p in prompt_ids], device=base.device)  # [B, P]
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=base.device)
+        # HF samples from the global generator: seeded per batch, so reproducible for the same batches only
+        with torch.random.fork_rng(devices=[base.device] if base.device.type == "cuda" else []):
+            torch.manual_seed(_row_seed(seed, ids[0]))
+            seq = base.model.generate(ids_t, attention_mask=mask, max_new_tokens=sampler.max_new_tokens,
+                                      eos_token_id=eos, pad_token_id=pad, **sampling)  # [B, P + n]
+        return [_cut_at_eos(row[longest:].tolist(), eos) for row in seq]
+
+    return run
+
+
+def _eos(base: Base, sampler: SamplerConfig) -> list[int]:
+    eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+
+
+def _cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    """Up to and including the first EOS: HF pads rows that finished early."""
+    for n, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: n + 1]
+    return tokens
+
+
+def _row_seed(seed: int, row_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:8], "little") >> 1
+
+
+def _row(base: Base, row_id: str, turns: list[dict], tokens: list[int], eos: list[int]) -> dict:
+    response = base.tokenizer.decode(tokens, skip_special_tokens=True)
+    return {
+        "id": row_id,
+        "messages": turns + [{"role": "assistant", "content": response}],
+        "prompt": next(t["content"] for t in reversed(turns) if t["role"] == "user"),
+        "response": response,
+        "response_tokens": len(tokens),  # generated, the closing EOS included
+        "finished": bool(tokens) and tokens[-1] in eos,
+    }
+
+
+# -- storage -----------------------------------------------------------------------------------------
+def _shards(out: Path) -> list[Path]:
+    """Complete shards in order; a half-written one lives in a .tmp- dir and is not listed."""
+    root = out / "shards"
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.exists() else []
+
+
+def _save_atomic(path: Path, ds: Dataset) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=path.parent, prefix=".tmp-")
+    shown = not are_progress_bars_disabled()
+    disable_progress_bars()  # one bar per shard would break the prompt bar
+    try:
+        ds.save_to_disk(tmp)
+    finally:
+        if shown:
+            enable_progress_bars()
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished this shard first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_or_check_meta(out: Path, meta: dict) -> None:
+    path = out / "meta.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [k for k in meta if k != "base" and old.get(k) != meta[k]]  # the fingerprint decides the base, not its name
+        if diff:
+            shown = ", ".join(f"{k} {old.get(k)} != {meta[k]}" if k != "fingerprint" else f"base {old.get('base')}"
+                              for k in diff)
+            raise ValueError(f"{out} holds distilled data made with other settings ({shown}); "
+                             f"use another out_dir or delete it")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="distill")
+def main(cfg: DictConfig) -> None:
+    print(OmegaConf.to_yaml(cfg, resolve=False))
+    base: Base = hydra.utils.instantiate(cfg.base)
+    prompts: Dataset = hydra.utils.instantiate(cfg.prompts)
+    sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
+    distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
+            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Embedded offline prompts for self-distillation: requests a user would send a chat assistant about the public,
+documented functions and methods of this Python's standard library (implement it from its signature and
+docstring, explain its source, show a usage example). Only stdlib source is read, so no evaluation prompt
+(HumanEval) can leak into training data."""
+
+from __future__ import annotations
+
+import ast
+import random
+import textwrap
+from pathlib import Path
+
+from datasets import Dataset
+
+from specdec.data.sources import stdlib_files
+
+MAX_CHARS = 1500  # docstrings are cut here; longer sources are not asked about (half a function is no task)
+
+TEMPLATES = {
+    "implement": "Implement this Python {what} from the `{module}` module:\n\n```python\n{stub}\n```",
+    "explain": "Explain what the following Python function does:\n\n```python\n{source}\n```",
+    "example": "Write a short usage example for `{module}.{qualname}` from the Python standard library:\n\n"
+               "```python\n{stub}\n```",
+}
+
+
+def stdlib_tasks(limit: int | None = None, seed: int = 0) -> Dataset:
+    """Rows {id: "json/decoder.py:JSONDecoder.decode:implement", messages: [one user turn]}, shuffled by `seed`
+    from one deterministic order, so the first `limit` rows are a varied sample."""
+    root, files = stdlib_files()
+    rows = [row for path in files for row in _file_tasks(path, path.relative_to(root).as_posix())]
+    random.Random(seed).shuffle(rows)
+    rows = rows[:limit]
+    return Dataset.from_dict({"id": [r[0] for r in rows],
+                              "messages": [[{"role": "user", "content": r[1]}] for r in rows]})
+
+
+def _file_tasks(path: Path, rel: str) -> list[tuple[str, str]]:
+    """(id, request) pairs for the public documented functions of one file, in source order."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # a file kept for another Python version
+        return []
+    lines = text.splitlines()
+    module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    tasks, seen = [], set()
+    for qualname, fn in _public_functions(tree):
+        if qualname in seen:  # a property setter or a redefinition: the first one is enough
+            continue
+        seen.add(qualname)
+        start = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
+        cls = qualname.rpartition(".")[0]
+        fields = {"module": module, "qualname": qualname, "stub": _stub(fn),
+                  "what": f"method of the `{cls}` class" if cls else "function",
+                  "source": textwrap.dedent("\n".join(lines[start - 1 : fn.end_lineno]))}
+        for kind, template in TEMPLATES.items():
+            if kind == "explain" and len(fields["source"]) > MAX_CHARS:
+                continue
+            tasks.append((f"{rel}:{qualname}:{kind}", template.format(**fields)))
+    return tasks
+
+
+def _public_functions(tree: ast.Module):
+    """Module-level functions and methods of module-level classes: public names with a docstring."""
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, funcs):
+            candidates = [(node.name, node)]
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            candidates = [(f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, funcs)]
+        else:
+            continue
+        for qualname, fn in candidates:
+            if not qualname.rpartition(".")[2].startswith("_") and ast.get_docstring(fn):
+                yield qualname, fn
+
+
+def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The signature and docstring (cut at MAX_CHARS) without the body or decorators, as `ast.unparse` writes it."""
+    doc = ast.get_docstring(fn)
+    if len(doc) > MAX_CHARS:
+        doc = doc[:MAX_CHARS].rsplit("\n", 1)[0] + "\n..."
+    doc = textwrap.indent(doc, "    ").lstrip() + ("\n    " if "\n" in doc else "")  # laid out as in a source file
+    stub = type(fn)(name=fn.name, args=fn.args, body=[ast.Expr(ast.Constant(doc))], decorator_list=[],
+                    returns=fn.returns, type_comment=None, type_params=[])
+    return ast.unparse(ast.fix_missing_locations(stub))

@@ -1,0 +1,144 @@
+"""Self-distillation (specdec/data/distill.py) on the tiny base: the stdlib prompt source, shards that hold
+exactly what the sampler generates, resuming without duplicates, refusals, and training from the result."""
+
+import json
+
+import pytest
+from datasets import Dataset
+
+from conftest import compose_train
+from specdec.base import tiny_base
+from specdec.data import distill as distill_mod
+from specdec.data.datamodule import TextDataModule
+from specdec.data.distill import distill, distilled, load_distilled
+from specdec.data.prompts import render_chat
+from specdec.data.stdlib_tasks import stdlib_tasks
+from specdec.sampling.decode import SamplerConfig, generate
+from test_configs import _check_targets
+
+COLUMNS = {"id", "messages", "prompt", "response", "response_tokens", "finished", "temperature", "top_k", "top_p",
+           "max_new_tokens", "seed", "engine", "base", "base_sha256"}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Dataset:
+    """10 prompts of varied lengths, one with a system turn and one a conversation that must be cut."""
+    rows = [[{"role": "user", "content": f"question {i}: " + "why? " * (i % 4)}] for i in range(10)]
+    rows[3] = [{"role": "system", "content": "be brief"}, *rows[3]]
+    rows[5] = [*rows[5], {"role": "assistant", "content": "someone else's"}, {"role": "user", "content": "more"}]
+    return Dataset.from_dict({"id": [f"q{i}" for i in range(10)], "messages": rows})
+
+
+def run(prompts, tiny, out, **kw) -> Dataset:
+    sampler = kw.pop("sampler", SamplerConfig(max_new_tokens=6))
+    return distill(prompts, tiny, str(out), sampler, **{"batch_size": 3, "shard_size": 4, **kw})
+
+
+def by_id(ds: Dataset) -> list[dict]:
+    return sorted(ds.to_list(), key=lambda r: r["id"])
+
+
+def test_stdlib_tasks_deterministic_and_unique():
+    full = stdlib_tasks()
+    assert len(full) > 1000 and len(set(full["id"])) == len(full)
+    assert stdlib_tasks(limit=30).to_list() == full.select(range(30)).to_list()  # same order every build
+    kinds = {i.rsplit(":", 1)[1] for i in full["id"][:30]}
+    assert kinds == {"implement", "explain", "example"}  # shuffled: a limit is a varied sample
+    row = full[0]
+    assert len(row["messages"]) == 1 and row["messages"][0]["role"] == "user"
+    assert "```python\n" in row["messages"][0]["content"]
+
+
+def test_shards_hold_what_generate_returns(prompts, tiny, tmp_path):
+    # a token the base emits in prompt 0's response (not in all), made an EOS: some rows finish, some run out
+    first = render_chat(tiny.tokenizer, prompts[0]["messages"])
+    stop = generate(tiny, [first], cfg=SamplerConfig(max_new_tokens=6)).tokens[0, 4].item()
+    sampler = SamplerConfig(max_new_tokens=6, eos_token_id=[stop, tiny.tokenizer.eos_token_id])
+    ds = run(prompts, tiny, tmp_path, sampler=sampler)
+    assert set(ds.column_names) == COLUMNS and len(ds) == 10
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["00000", "00001", "00002"]
+    assert json.loads((tmp_path / "meta.json").read_text())["fingerprint"] == tiny.fingerprint()
+    rows = {r["id"]: r for r in ds}
+    for p in prompts:
+        turns = p["messages"][:1] if p["id"] == "q5" else p["messages"]  # q5 is cut before its assistant turn
+        r = generate(tiny, [render_chat(tiny.tokenizer, turns)], cfg=sampler)
+        tokens = r.tokens[0, : r.num_generated[0]].tolist()
+        row = rows[p["id"]]
+        assert row["response"] == tiny.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert row["messages"] == turns + [{"role": "assistant", "content": row["response"]}]
+        assert row["prompt"] == turns[-1]["content"]
+        assert (row["response_tokens"], row["finished"]) == (len(tokens), tokens[-1] == stop)
+    assert rows["q0"]["finished"] and not all(rows[i]["finished"] for i in rows)
+
+
+def test_hf_engine_matches_ours_when_greedy(prompts, tiny, tmp_path):
+    ours = run(prompts, tiny, tmp_path / "ours")
+    hf = run(prompts, tiny, tmp_path / "hf", engine="hf")
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "engine"} for r in rows]  # noqa: E731
+    assert strip(by_id(hf)) == strip(by_id(ours))
+
+
+def test_resume_after_an_interruption(prompts, tiny, tmp_path, monkeypatch):
+    sampled = SamplerConfig(max_new_tokens=6, temperature=1.0)
+    whole = run(prompts, tiny, tmp_path / "whole", sampler=sampled)
+    save = distill_mod._save_atomic
+
+    def dies_after_one(path, ds):
+        save(path, ds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_mod, "_save_atomic", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        run(prompts, tiny, tmp_path / "resumed", sampler=sampled)
+    assert len(load_distilled(tmp_path / "resumed")) == 4
+    monkeypatch.setattr(distill_mod, "_save_atomic", save)
+    resumed = run(prompts, tiny, tmp_path / "resumed", sampler=sampled)
+    # one generator per row, seeded by its id: sampled responses do not depend on how the run was cut
+    assert by_id(resumed) == by_id(whole)
+    other_seed = run(prompts, tiny, tmp_path / "seed1", sampler=sampled, seed=1)
+    assert [r["response"] for r in by_id(other_seed)] != [r["response"] for r in by_id(whole)]
+
+
+def test_a_larger_limit_extends_without_duplicates(prompts, tiny, tmp_path):
+    whole = run(prompts, tiny, tmp_path / "whole")
+    half = run(prompts, tiny, tmp_path / "grown", limit=5)
+    assert sorted(half["id"]) == [f"q{i}" for i in range(5)]
+    grown = run(prompts, tiny, tmp_path / "grown")
+    assert len(set(grown["id"])) == len(grown) == 10 and by_id(grown) == by_id(whole)
+
+
+def test_other_settings_or_base_are_refused(prompts, tiny, tmp_path):
+    run(prompts, tiny, tmp_path, limit=2)
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
+        run(prompts, tiny, tmp_path, sampler=SamplerConfig(max_new_tokens=7))
+    with pytest.raises(ValueError, match="other settings.*base"):
+        run(prompts, tiny_base(seed=1), tmp_path)
+    with pytest.raises(ValueError, match="engine"):
+        run(prompts, tiny, tmp_path / "x", engine="vllm")
+
+
+def test_distilled_source_trains_through_the_data_module(prompts, tiny, tmp_path):
+    run(prompts, tiny, tmp_path / "d")
+    assert distilled(str(tmp_path / "d")).column_names == ["messages"]
+    dm = TextDataModule(lambda: distilled(str(tmp_path / "d")), tiny.tokenizer, block_size=16, batch_size=2,
+                        val_fraction=0.2, cache_dir=None)
+    dm.setup()
+    assert len(dm.blocks["train"]) > 5 and next(iter(dm.train_dataloader()))["input_ids"].shape == (2, 16)
+
+
+def test_distill_config_composes_and_runs_on_chat_rows(tiny, tmp_path):
+    cfg = compose_train([], tmp_path, config_name="distill")
+    assert cfg.prompts._target_ == "specdec.data.stdlib_tasks.stdlib_tasks"
+    assert _check_targets(cfg, "distill") == 3  # base, prompts, sampler
+    # another prompt source: a ShareGPT jsonl through sources.chat, end to end on the tiny base
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"hi {i}"},
+                                                              {"from": "gpt", "value": "hello"}]}) for i in range(3)))
+    cfg = compose_train(["base=tiny", "prompts._target_=specdec.data.sources.chat", f"+prompts.path={chat}",
+                         "+prompts.field=conversations", "limit=2", "sampler.max_new_tokens=3", "batch_size=2"],
+                        tmp_path, config_name="distill")
+    _check_targets(cfg, "distill")
+    distill_mod.main.__wrapped__(cfg)
+    ds = load_distilled(cfg.out_dir)
+    assert len(ds) == 2 and [m[0]["content"] for m in ds["messages"]] == ["hi 0", "hi 1"]
+    assert all(len(m) == 2 and m[1]["role"] == "assistant" for m in ds["messages"])
