@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench distill clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
 	    sampler.max_new_tokens=64 hydra.run.dir=$$run/eval
+
+# Self-distilled data for the embedded default: SmolLM2's own answers to stdlib_tasks prompts, then one base pass
+# that caches its features (resumable; rerun to continue). Train from it: python train.py data=cached drafter=medusa
+distill: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
 
 bench: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py

@@ -1,7 +1,7 @@
 """Training throughput of a drafter vs the frozen base's forward alone, on the same batches, interleaved in
 one run (these machines are noisy: only the ratio is meaningful).
 
-    .venv/bin/python experiments/bench_train.py drafter=medusa [steps=6] [any train.py override ...]
+    .venv/bin/python experiments/bench_train.py drafter=medusa [steps=6] [data=cached] [any train.py override ...]
 """
 
 import sys
@@ -11,6 +11,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.utilities import move_data_to_device
 
 from specdec.training import DraftTrainer
 
@@ -32,24 +33,25 @@ def main(argv: list[str]) -> None:
     module.log = lambda *a, **k: None  # no trainer attached: logging is not what we time
     batches = iter(dm.train_dataloader())
 
-    def base_only(ids):
-        module._features(ids)
+    def base_only(batch):  # what a training step pays for the frozen base, whatever the data module
+        module._inputs({"input_ids": batch["input_ids"]})
 
-    def train_step(ids):
-        loss = module._step({"input_ids": ids}, "train")
+    def train_step(batch):  # with data=cached the batch carries the base's features: the base does not run
+        loss = module._step(batch, "train")
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     t = {"base": 0.0, "train": 0.0}
-    ids = next(batches)["input_ids"].to(base.device)
-    base_only(ids), train_step(ids)  # warm-up
+    batch = move_data_to_device(next(batches), base.device)
+    base_only(batch), train_step(batch)  # warm-up
     tokens = 0
     for _ in range(steps):
-        ids = next(batches)["input_ids"].to(base.device)
+        batch = move_data_to_device(next(batches), base.device)
+        ids = batch["input_ids"]
         for name, fn in (("base", base_only), ("train", train_step)):
             t0 = time.perf_counter()
-            fn(ids)
+            fn(batch)
             if base.device.type == "cuda":
                 torch.cuda.synchronize()
             t[name] += time.perf_counter() - t0

@@ -33,7 +33,7 @@ class Features:
     # layer -> [B, T, H]: 0 = embeddings, l = output of block l-1 for 0 < l < num_layers; HF hands back the
     # final NORMED state for l = num_layers, so hidden[num_layers] == hidden[LAST] (what the lm_head reads).
     hidden: dict[int, torch.Tensor]
-    logits: torch.Tensor  # [B, T, V] next-token logits of the base
+    logits: torch.Tensor | None  # [B, T, V] next-token logits of the base; None when read from a feature cache
 
 
 class Base(nn.Module):

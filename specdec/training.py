@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +22,16 @@ from specdec.checkpoint import save_drafter
 from specdec.drafters.drafter import Drafter, TrainOutput
 
 
+@dataclass
+class Targets:
+    """The base's next-token distribution at every position of a [B, T] batch: dense logits [B, T, V], or its
+    top-k (top_idx, top_logp: [B, T, k], log-probs of the full softmax) with the remaining mass as one bucket."""
+
+    logits: torch.Tensor | None = None
+    top_idx: torch.Tensor | None = None
+    top_logp: torch.Tensor | None = None
+
+
 class DraftTrainer(L.LightningModule):
     """Trains `drafter` against the frozen `base`. The base is kept outside the module registry, so Lightning
     checkpoints, optimizers and DDP see only the drafter."""
@@ -35,6 +46,7 @@ class DraftTrainer(L.LightningModule):
         ce_weight: float = 0.0,
         head_decay: float = 0.8,
         base_autocast: str | None = None,
+        target_topk: int | None = None,
     ):
         super().__init__()
         self._frozen = {"base": base}
@@ -43,6 +55,9 @@ class DraftTrainer(L.LightningModule):
         self.scheduler = scheduler
         self.kl_weight, self.ce_weight, self.head_decay = kl_weight, ce_weight, head_decay
         self.base_autocast = getattr(torch, base_autocast) if base_autocast else None
+        # online: train on the base's top-k, exactly as from a feature cache. A reduced draft vocab always trains
+        # on top-k targets (its tokens outside the draft vocab join the rest bucket): 64 unless set.
+        self.target_topk = target_topk or (64 if drafter.draft_vocab is not None else None)
         # Entry j predicting token t+1+offset_j is weighted decay^offset_j (Medusa's 0.8^k).
         self.entry_weights = [head_decay**o for o in drafter.target_offsets]
         k = len(drafter.target_offsets)
@@ -61,49 +76,86 @@ class DraftTrainer(L.LightningModule):
         self.base.to(self.device)
 
     # -- one step ----------------------------------------------------------------------------
-    def _features(self, input_ids: torch.Tensor) -> Features:
-        cast = (torch.autocast(self.device.type, dtype=self.base_autocast) if self.base_autocast else nullcontext())
-        with cast:
-            feats = self.base.features(input_ids, layers=self.drafter.feature_layers)
-        # Drafters train in their own precision, whatever the base ran in.
-        dtype = next(self.drafter.parameters()).dtype
-        return Features({l: h.to(dtype) for l, h in feats.hidden.items()}, feats.logits.float())
+    def _inputs(self, batch: dict) -> tuple[Features, Targets]:
+        """Base features and targets of a batch: read from a feature cache (the base does not run), or computed by
+        one frozen base forward."""
+        dtype = next(self.drafter.parameters()).dtype  # drafters train in their own precision
+        if "hidden" in batch:  # data=cached
+            hidden = {l: batch["hidden"][l].to(dtype) for l in self.drafter.feature_layers}
+            feats, targets = Features(hidden, logits=None), Targets(top_idx=batch["top_idx"], top_logp=batch["top_logp"].float())
+        else:
+            cast = (torch.autocast(self.device.type, dtype=self.base_autocast) if self.base_autocast else nullcontext())
+            with cast:
+                feats = self.base.features(batch["input_ids"], layers=self.drafter.feature_layers)
+            feats = Features({l: h.to(dtype) for l, h in feats.hidden.items()}, feats.logits.float())
+            if self.target_topk is None:
+                return feats, Targets(logits=feats.logits)
+            top_logp, top_idx = F.log_softmax(feats.logits, -1).topk(self.target_topk, dim=-1)  # what a cache stores
+            targets = Targets(top_idx=top_idx, top_logp=top_logp)
+        vocab = self.drafter.draft_vocab
+        if vocab is not None:  # base ids -> draft indices; tokens outside the draft vocab (−1) join the rest bucket
+            idx = vocab.from_base(targets.top_idx)
+            targets = Targets(top_idx=idx, top_logp=targets.top_logp.masked_fill(idx < 0, float("-inf")))
+        return feats, targets
 
-    def _entry_losses(self, out: TrainOutput, feats: Features, input_ids: torch.Tensor, metrics: bool):
+    def _entry_losses(self, out: TrainOutput, targets: Targets, input_ids: torch.Tensor, metrics: bool):
         """Per entry j (offset o): draft logits at t vs the base's distribution at t+o and the data token t+1+o.
         Yields (j, loss_j, kl_j, top1_j, accept_j); top1/accept are [B, n] per-position tensors (None unless
         `metrics`). These [B, n, V] passes dominate a step's cost after the matmuls: keep them few and fused."""
         T = input_ids.shape[1]
-        p_logp = F.log_softmax(feats.logits, -1)  # [B, T, V], once for every entry
-        p = p_logp.exp()
-        neg_entropy = (p * p_logp).sum(-1)  # [B, T] Σ p log p, so KL(p || q) = CE(q; p) + Σ p log p
+        dense = targets.logits is not None
+        if dense:
+            p_logp = F.log_softmax(targets.logits, -1)  # [B, T, V], once for every entry
+            p = p_logp.exp()
+            neg_entropy = (p * p_logp).sum(-1)  # [B, T] Σ p log p, so KL(p || q) = CE(q; p) + Σ p log p
+        else:
+            # top-k targets: the k tokens plus one bucket for the rest of the mass; the KL between these
+            # coarsened distributions is exact when k = V and a lower bound of the full KL otherwise
+            p = targets.top_logp.exp()  # [B, T, k]; 0 for tokens a draft vocab lacks (index −1)
+            rest = (1 - p.sum(-1)).clamp_min(0)  # [B, T]
+            neg_entropy = torch.xlogy(p, p).sum(-1) + torch.xlogy(rest, rest)  # [B, T]
         # unbind once: slicing entries out of [B, T, K, V] one by one would make autograd zero-fill a full
         # [B, T, K, V] gradient per entry
         for j, (o, q) in enumerate(zip(self.drafter.target_offsets, out.logits.float().unbind(2))):
             n = T - 1 - o  # positions t with both a target distribution (t+o) and a data label (t+1+o)
-            q, pt = q[:, :n], p[:, o : o + n]  # [B, n, V] each
-            # soft-target cross-entropy  lse(q) − Σ_v p·q  as a batched dot: no [B, n, V] temporaries
-            cross = (pt.unsqueeze(-2) @ q.unsqueeze(-1))[..., 0, 0]  # [B, n]
-            kl = torch.logsumexp(q, -1) - cross + neg_entropy[:, o : o + n]  # KL(p || q) [B, n]
+            q = q[:, :n]  # [B, n, V] (V = the draft vocab's size when the drafter has one)
+            lse = torch.logsumexp(q, -1)  # [B, n]
+            if dense:
+                pt = p[:, o : o + n]  # [B, n, V]
+                # soft-target cross-entropy  lse(q) − Σ_v p·q  as a batched dot: no [B, n, V] temporaries
+                cross = (pt.unsqueeze(-2) @ q.unsqueeze(-1))[..., 0, 0]  # [B, n]
+                kl = lse - cross + neg_entropy[:, o : o + n]  # KL(p || q) [B, n]
+            else:
+                pt, idx = p[:, o : o + n], targets.top_idx[:, o : o + n]  # [B, n, k]
+                lq = q.gather(-1, idx.clamp_min(0)) - lse.unsqueeze(-1)  # log q of the base's top-k [B, n, k]
+                lq_rest = torch.log((-torch.expm1(torch.logsumexp(lq, -1))).clamp_min(1e-12))  # log q(rest) [B, n]
+                kl = neg_entropy[:, o : o + n] - (pt * lq).sum(-1) - rest[:, o : o + n] * lq_rest
             loss = self.kl_weight * kl.mean()
             if self.ce_weight:
                 labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
-                loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]), labels.reshape(-1))
+                if self.drafter.draft_vocab is not None:  # in draft indices; tokens outside it (−1) are skipped
+                    labels = self.drafter.draft_vocab.from_base(labels)
+                loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]), labels.reshape(-1),
+                                                               ignore_index=-1)
             top1 = accept = None
             if metrics:
                 with torch.no_grad():
-                    top1 = (q.argmax(-1) == feats.logits[:, o : o + n].argmax(-1)).float()
-                    accept = torch.minimum(q.softmax(-1), pt).sum(-1)  # Σ_v min(p, q)
+                    if dense:
+                        top1 = (q.argmax(-1) == targets.logits[:, o : o + n].argmax(-1)).float()
+                        accept = torch.minimum(q.softmax(-1), pt).sum(-1)  # Σ_v min(p, q)
+                    else:  # Σ over the top-k only: a lower bound of Σ_v min(p, q)
+                        top1 = (q.argmax(-1) == idx[..., 0]).float()  # −1 (outside a draft vocab) never matches
+                        accept = torch.minimum(lq.exp(), pt).sum(-1)
             yield j, loss, kl.detach().mean(), top1, accept
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         input_ids = batch["input_ids"]
-        feats = self._features(input_ids)
+        feats, targets = self._inputs(batch)
         out = self.drafter.forward_train(feats, input_ids)
         total = torch.zeros((), device=self.device)
         names = self.drafter.head_names
         val = stage == "val"
-        for j, loss, kl, top1, accept in self._entry_losses(out, feats, input_ids, metrics=val):
+        for j, loss, kl, top1, accept in self._entry_losses(out, targets, input_ids, metrics=val):
             total = total + self.entry_weights[j] * loss
             self.log(f"{stage}/{names[j]}_kl", kl, on_step=not val, on_epoch=True)
             if val:
@@ -165,6 +217,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     drafter: Drafter = hydra.utils.instantiate(cfg.drafter)(base=base)
     module = hydra.utils.instantiate(cfg.module)(base=base, drafter=drafter)
     datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+    if hasattr(datamodule, "check"):  # a feature cache: refuse another base or missing layers before training
+        datamodule.check(base, drafter)
+    if drafter.draft_vocab is not None and cfg.get("ckpt_path") is None:  # (a resumed run loads it)
+        counts = datamodule.train_token_counts(base.vocab_size)  # [V]
+        drafter.set_draft_vocab(counts.topk(drafter.draft_vocab.size).indices)
+        print(f"[specdec] draft vocab: {drafter.draft_vocab.size:,} most frequent tokens, "
+              f"{counts.topk(drafter.draft_vocab.size).values.sum() / counts.sum():.1%} of the training tokens")
 
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     callbacks.append(SaveDrafter(str(Path(cfg.paths.output_dir) / "drafter"), OmegaConf.to_container(cfg, resolve=True)))

@@ -55,6 +55,12 @@ class TextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.blocks["val"], batch_size=self.batch_size, num_workers=self.num_workers)
 
+    def train_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the training blocks [vocab_size] (picks a reduced draft vocab)."""
+        self.setup()
+        ids = torch.as_tensor(self.blocks["train"][:]["input_ids"]).flatten()
+        return torch.bincount(ids, minlength=vocab_size)
+
     # -- building ----------------------------------------------------------------------------
     def _packed(self) -> DatasetDict:
         texts = self._texts(self.source())

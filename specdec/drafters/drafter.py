@@ -61,6 +61,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.hparams = hparams  # constructor kwargs, saved with checkpoints to rebuild the drafter
         self._frozen = {"base": base}  # a dict is not an nn.Module attribute: nothing of the base is registered
+        self.draft_vocab: DraftVocab | None = None  # families with a reduced draft vocabulary set one
 
     @property
     def base(self) -> Base:
@@ -103,6 +104,38 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
 
+class DraftVocab(nn.Module):
+    """EAGLE-3's reduced draft vocabulary: a drafter scores only `size` base tokens (the most frequent of its
+    training data), a [size, H] projection instead of [V, H]. The sampler still gets full-vocab logits, −inf off
+    the subset: q is 0 there, so verification stays lossless. `tokens` is set from the data by train() and is
+    saved with the drafter."""
+
+    def __init__(self, base: Base, size: int):
+        super().__init__()
+        if not 0 < size <= base.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in (0, {base.vocab_size}], got {size}")
+        self.size, self.vocab_size = size, base.vocab_size
+        self.register_buffer("tokens", torch.arange(size, device=base.device))  # [size] base token ids, sorted
+
+    def set(self, tokens: torch.Tensor) -> None:
+        self.tokens.copy_(tokens.sort().values)
+
+    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """A full-vocab matrix [V, ...] -> its draft-vocab rows [size, ...]."""
+        return weight[self.tokens]
+
+    def to_base(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., size] -> [..., V] with −inf off the draft vocab."""
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.tokens, logits)
+
+    def from_base(self, ids: torch.Tensor) -> torch.Tensor:
+        """Base token ids [...] -> draft indices [...], −1 for tokens outside the draft vocab."""
+        table = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        table[self.tokens] = torch.arange(self.size, device=ids.device)
+        return table[ids]
+
+
 class NodeTable:
     """Per-node tensors of one draft round ([B, C, ...], row i = node i), for drafters whose `expand` needs
     what was computed for a node's parent (Hydra's token paths, the prophet's predicted features)."""
@@ -129,8 +162,9 @@ class NodeTable:
         self.count = max(self.count, need)
 
 
-def copy_lm_head(base: Base) -> nn.Linear:
-    """A trainable vocab projection initialised from the base lm_head (for drafters with `own_lm_head`)."""
-    head = nn.Linear(base.hidden_size, base.vocab_size, bias=False, device=base.device, dtype=base.dtype)
-    head.weight.data.copy_(base.lm_head.weight.detach())
+def copy_lm_head(base: Base, rows: int | None = None) -> nn.Linear:
+    """A trainable vocab projection initialised from the base lm_head (for drafters with `own_lm_head`); with
+    `rows`, a draft-vocab projection whose weights `DraftVocab`'s owner copies in once the tokens are known."""
+    head = nn.Linear(base.hidden_size, rows or base.vocab_size, bias=False, device=base.device, dtype=base.dtype)
+    head.weight.data.copy_(base.lm_head.weight.detach()[: head.out_features])
     return head

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput, copy_lm_head
 
 
 class ResBlock(nn.Module):
@@ -26,25 +27,37 @@ class ResBlock(nn.Module):
 
 
 class Medusa(Drafter):
-    def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False):
-        super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head)
+    def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
+                 draft_vocab_size: int | None = None):
+        super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head,
+                         draft_vocab_size=draft_vocab_size)
         h = base.hidden_size
+        self.draft_vocab = DraftVocab(base, draft_vocab_size) if draft_vocab_size else None
         # A fresh ResBlock per (head, layer): never [ResBlock(h)] * n, which would share one module n times.
         self.heads = nn.ModuleList(
             nn.Sequential(*(ResBlock(h) for _ in range(num_layers))) for _ in range(num_heads)
         )
         # Own projections are trainable copies of the base lm_head; otherwise the base's is shared, frozen.
-        self.lm_heads = nn.ModuleList(copy_lm_head(base) for _ in range(num_heads)) if own_lm_head else None
+        self.lm_heads = (nn.ModuleList(copy_lm_head(base, draft_vocab_size) for _ in range(num_heads))
+                         if own_lm_head else None)
         self.target_offsets = list(range(1, num_heads + 1))
         self.head_names = [f"head{k}" for k in range(1, num_heads + 1)]
         self.max_depth = num_heads
 
+    def set_draft_vocab(self, tokens: torch.Tensor) -> None:
+        """Called by train() with the most frequent tokens of the data; own projections restart from the base's rows."""
+        self.draft_vocab.set(tokens)
+        for lm in self.lm_heads or []:
+            lm.weight.data.copy_(self.draft_vocab.rows(self.base.lm_head.weight.detach()))
+
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., H] -> [..., K, V]: every head's logits."""
+        """h [..., H] -> [..., K, V_d]: every head's logits (V_d = V unless a draft vocab is set)."""
         z = torch.stack([head(h) for head in self.heads], dim=-2)  # [..., K, H]
-        if self.lm_heads is None:
+        if self.lm_heads is not None:
+            return torch.stack([lm(z[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
+        if self.draft_vocab is None:
             return self.base.lm_head(z)
-        return torch.stack([lm(z[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
+        return F.linear(z, self.draft_vocab.rows(self.base.lm_head.weight))  # frozen base rows [V_d, H]
 
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         return TrainOutput(logits=self.head_logits(feats.hidden[LAST]))  # [B, T, K, V]
@@ -56,7 +69,8 @@ class Medusa(Drafter):
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
         h = feats.hidden[LAST]  # [B, n, H]
         last = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
-        state["logits"] = self.head_logits(last)  # [B, K, V]
+        logits = self.head_logits(last)  # [B, K, V_d]
+        state["logits"] = self.draft_vocab.to_base(logits) if self.draft_vocab is not None else logits  # [B, K, V]
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:

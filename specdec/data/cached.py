@@ -1,0 +1,90 @@
+"""Training from a feature cache (see features.py): batches carry the base's hidden states and top-k targets,
+so a training step never runs the base. Drop-in for TextDataModule: python train.py data=cached"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from specdec.data.features import read_meta
+
+
+class FeatureShards(Dataset):
+    """Blocks of one split across its memory-mapped shards. An item is
+    {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float}."""
+
+    def __init__(self, root: Path, layers: list[int]):
+        self.shards = []
+        done = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []
+        for d in done:
+            arrays = {"input_ids": np.load(d / "input_ids.npy", mmap_mode="r"),
+                      "top_idx": np.load(d / "top_idx.npy", mmap_mode="r"),
+                      "top_logp": np.load(d / "top_logp.npy", mmap_mode="r")}
+            arrays |= {l: np.load(d / f"hidden_{l}.npy", mmap_mode="r") for l in layers}
+            self.shards.append(arrays)
+        self.layers = layers
+        sizes = [len(s["input_ids"]) for s in self.shards]
+        self.starts = np.cumsum([0, *sizes])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> dict:
+        s = int(np.searchsorted(self.starts, i, side="right")) - 1
+        shard, r = self.shards[s], i - int(self.starts[s])
+        return {
+            "input_ids": torch.from_numpy(shard["input_ids"][r].astype(np.int64)),
+            "hidden": {l: torch.from_numpy(np.array(shard[l][r])) for l in self.layers},
+            "top_idx": torch.from_numpy(shard["top_idx"][r].astype(np.int64)),
+            "top_logp": torch.from_numpy(np.array(shard["top_logp"][r])),
+        }
+
+
+class CachedFeatures(L.LightningDataModule):
+    def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0, tokenizer=None):
+        """`tokenizer` is accepted so every data config is built the same way; the cache already holds token ids."""
+        super().__init__()
+        self.path = Path(path).expanduser()
+        self.meta = read_meta(self.path)
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.splits: dict[str, FeatureShards] = {}
+
+    def check(self, base, drafter) -> None:
+        """One-line errors before any training: a cache of another base, or without the layers the drafter reads."""
+        fp = base.fingerprint()
+        diff = sorted(k for k in fp if self.meta["fingerprint"].get(k) != fp[k])
+        if diff:
+            raise ValueError(f"feature cache {self.path} was built on another base "
+                             f"({self.meta['base_name']}; differs in {', '.join(diff)})")
+        missing = sorted(set(drafter.feature_layers) - set(self.meta["layers"]))
+        if missing:
+            raise ValueError(f"feature cache {self.path} has layers {self.meta['layers']}, {type(drafter).__name__} "
+                             f"reads {list(drafter.feature_layers)}: rebuild it with layers={sorted(set(self.meta['layers']) | set(missing))}")
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.splits:
+            self.splits = {name: FeatureShards(self.path / name, self.meta["layers"]) for name in ("train", "val")}
+            for name, ds in self.splits.items():
+                if len(ds) != self.meta["blocks"][name]:  # an interrupted features run
+                    raise ValueError(f"feature cache {self.path} is incomplete: {name} has {len(ds)} of "
+                                     f"{self.meta['blocks'][name]} blocks; rerun python -m specdec.data.features")
+
+    def train_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the training blocks [vocab_size] (picks a reduced draft vocab)."""
+        self.setup()
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for shard in self.splits["train"].shards:
+            counts += torch.bincount(torch.from_numpy(np.asarray(shard["input_ids"], dtype=np.int64)).flatten(),
+                                     minlength=vocab_size)
+        return counts
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.splits["val"], batch_size=self.batch_size, num_workers=self.num_workers)

@@ -1,0 +1,162 @@
+"""Offline base features. One pass of the frozen base over the packed token blocks of a data module stores what
+drafters train from — the hidden states of the layers they read and the base's next-token distribution as
+top-k log-probs (the rest of the mass is implied) — in memory-mapped shards, so training runs many epochs
+without ever running the base (EAGLE / speculators style).
+
+Layout of `out_dir`:
+    meta.json                       settings, base fingerprint, blocks per split, a hash of the token ids
+    {train,val}/00000/              one shard = up to `shard_blocks` blocks of T tokens, written atomically
+        input_ids.npy   [n, T]      int32
+        hidden_{l}.npy  [n, T, H]   float16 or float32; l = layer key (-1 = last, normed)
+        top_idx.npy     [n, T, k]   int32, descending probability
+        top_logp.npy    [n, T, k]   float32 log-probs of the base (full-vocab softmax)
+
+Run: python -m specdec.data.features [data=distilled] [layers=[-1,8]] [topk=64]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from specdec.base import LAST, Base
+
+STORE_DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def cache_features(
+    datamodule,
+    base: Base,
+    out_dir: str,
+    layers: tuple[int, ...] = (LAST,),
+    topk: int = 64,
+    dtype: str = "float16",
+    shard_blocks: int = 256,
+    batch_size: int = 8,
+) -> dict:
+    """Cache features of every train/val block of `datamodule` (a TextDataModule) under `out_dir`. Resumable:
+    complete shards are kept and a rerun computes only the missing ones; a rerun with other settings, another
+    base or other blocks is refused. Returns the meta dict."""
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(STORE_DTYPES)}, got {dtype!r}")
+    topk = min(topk, base.vocab_size)
+    datamodule.setup()
+    splits = {name: torch.as_tensor(datamodule.blocks[name][:]["input_ids"]) for name in ("train", "val")}  # [N, T]
+    meta = {
+        "layers": [int(l) for l in layers],
+        "topk": topk,
+        "dtype": dtype,
+        "shard_blocks": shard_blocks,
+        "block_size": int(splits["train"].shape[1]),
+        "blocks": {name: int(ids.shape[0]) for name, ids in splits.items()},
+        "tokens_sha256": _tokens_hash(splits),
+        "base_name": base.name,
+        "fingerprint": base.fingerprint(),
+    }
+    out = Path(out_dir).expanduser()
+    _write_or_check_meta(out, meta)
+
+    start, computed = time.perf_counter(), 0
+    for name, ids in splits.items():
+        shards = range(0, ids.shape[0], shard_blocks)
+        for s, lo in enumerate(tqdm(shards, desc=f"features {name}", unit="shard")):
+            path = out / name / f"{s:05d}"
+            if path.exists():  # finished by an earlier (interrupted) run
+                continue
+            arrays = _shard(base, ids[lo : lo + shard_blocks], meta["layers"], topk, STORE_DTYPES[dtype], batch_size)
+            _save_atomic(path, arrays)
+            computed += arrays["input_ids"].size
+    elapsed = time.perf_counter() - start
+    if computed:
+        print(f"[specdec] cached features of {computed:,} tokens in {elapsed:.0f} s ({computed / elapsed:.0f} tok/s), "
+              f"{bytes_per_token(out):,.0f} bytes/token -> {out}")
+    return meta
+
+
+@torch.no_grad()
+def _shard(base: Base, ids: torch.Tensor, layers: list[int], topk: int, store: type, batch_size: int) -> dict:
+    """ids [n, T] -> numpy arrays of one shard (see the module docstring)."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for lo in range(0, ids.shape[0], batch_size):
+        batch = ids[lo : lo + batch_size].to(base.device)  # [b, T]
+        feats = base.features(batch, layers=tuple(layers))
+        logp = torch.log_softmax(feats.logits.float(), -1)  # [b, T, V]
+        top_logp, top_idx = logp.topk(topk, dim=-1)  # [b, T, k], sorted descending
+        row = {"input_ids": batch.int(), "top_idx": top_idx.int(), "top_logp": top_logp}
+        row |= {f"hidden_{l}": feats.hidden[l].float() for l in layers}
+        for key, t in row.items():
+            arr = t.cpu().numpy()
+            parts.setdefault(key, []).append(arr.astype(store) if key.startswith("hidden_") else arr)
+    return {key: np.concatenate(chunks) for key, chunks in parts.items()}
+
+
+def _save_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    for key, arr in arrays.items():
+        np.save(tmp / f"{key}.npy", arr)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished this shard first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokens_hash(splits: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, ids in splits.items():
+        h.update(name.encode())
+        h.update(ids.numpy().astype(np.int32).tobytes())
+    return h.hexdigest()[:24]
+
+
+def _write_or_check_meta(out: Path, meta: dict) -> None:
+    path = out / "meta.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in meta if old.get(k) != meta[k])
+        if diff:
+            raise ValueError(f"{out} holds a feature cache with other {', '.join(diff)}; "
+                             f"use another out_dir or delete it")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
+
+
+def read_meta(path: str | Path) -> dict:
+    meta = Path(path).expanduser() / "meta.json"
+    if not meta.exists():
+        raise FileNotFoundError(f"no feature cache at {meta.parent} (build one with: python -m specdec.data.features)")
+    return json.loads(meta.read_text())
+
+
+def bytes_per_token(path: str | Path) -> float:
+    root = Path(path).expanduser()
+    files = [f for f in root.glob("*/[0-9]*/*.npy")]
+    tokens = sum(np.load(f, mmap_mode="r").size for f in files if f.name == "input_ids.npy")
+    return sum(f.stat().st_size for f in files) / max(tokens, 1)
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="features")
+def main(cfg: DictConfig) -> None:
+    print(OmegaConf.to_yaml(cfg, resolve=False))
+    base: Base = hydra.utils.instantiate(cfg.base)
+    datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+    cache_features(datamodule, base, cfg.out_dir, layers=tuple(cfg.layers), topk=cfg.topk, dtype=cfg.dtype,
+                   shard_blocks=cfg.shard_blocks, batch_size=cfg.batch_size)
+
+
+if __name__ == "__main__":
+    main()
