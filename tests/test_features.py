@@ -150,3 +150,16 @@ def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     assert calls == []
     assert metrics["val/expected_tau"] >= 1.0 and np.isfinite(metrics["train/loss"])
     assert (Path(cfg.paths.output_dir) / "drafter" / "drafter.safetensors").exists()
+
+
+def test_features_command_on_the_tiny_base(corpus, tmp_path):
+    """python -m specdec.data.features with its yaml: composes, runs, and data=cached reads what it wrote."""
+    out = tmp_path / "feat"
+    cfg = compose_train(["base=tiny", "data=text", f"data.source.path={corpus}/*.txt", "data.block_size=32",
+                         "data.val_fraction=0.2", "layers=[-1]", "topk=8", f"out_dir={out}"], tmp_path,
+                        config_name="features")
+    features_mod.main.__wrapped__(cfg)
+    cached = CachedFeatures(str(out))
+    cached.setup()
+    batch = next(iter(cached.train_dataloader()))
+    assert batch["hidden"][-1].dtype == torch.float16 and batch["top_idx"].shape[-1] == 8
