@@ -221,9 +221,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule.check(base, drafter)
     if drafter.draft_vocab is not None and cfg.get("ckpt_path") is None:  # (a resumed run loads it)
         counts = datamodule.train_token_counts(base.vocab_size)  # [V]
-        drafter.set_draft_vocab(counts.topk(drafter.draft_vocab.size).indices)
+        top = counts.topk(drafter.draft_vocab.size)
+        drafter.set_draft_vocab(top.indices)
         print(f"[specdec] draft vocab: {drafter.draft_vocab.size:,} most frequent tokens, "
-              f"{counts.topk(drafter.draft_vocab.size).values.sum() / counts.sum():.1%} of the training tokens")
+              f"{top.values.sum() / counts.sum():.1%} of the training tokens")
 
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     callbacks.append(SaveDrafter(str(Path(cfg.paths.output_dir) / "drafter"), OmegaConf.to_container(cfg, resolve=True)))

@@ -144,7 +144,7 @@ def read_meta(path: str | Path) -> dict:
 
 def bytes_per_token(path: str | Path) -> float:
     root = Path(path).expanduser()
-    files = [f for f in root.glob("*/[0-9]*/*.npy")]
+    files = list(root.glob("*/[0-9]*/*.npy"))
     tokens = sum(np.load(f, mmap_mode="r").size for f in files if f.name == "input_ids.npy")
     return sum(f.stat().st_size for f in files) / max(tokens, 1)
 
