@@ -36,8 +36,8 @@ def save_drafter(drafter: Drafter, dirpath: str | Path, train_config: dict | Non
         "train_config": train_config or {},
     }
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    _atomic(dirpath / WEIGHTS, lambda p: save_file(state, p))
-    _atomic(dirpath / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2, default=str)))
+    atomic_write(dirpath / WEIGHTS, lambda p: save_file(state, p))
+    atomic_write(dirpath / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2, default=str)))
     return dirpath
 
 
@@ -66,7 +66,7 @@ def read_meta(dirpath: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _atomic(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Write to a temp file in the same folder, then rename: readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)

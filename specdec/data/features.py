@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.base import LAST, Base
+from specdec.checkpoint import atomic_write
 
 STORE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
@@ -130,9 +131,7 @@ def _write_or_check_meta(out: Path, meta: dict) -> None:
                              f"use another out_dir or delete it")
         return
     out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
 
 
 def read_meta(path: str | Path) -> dict:
