@@ -37,7 +37,7 @@ def save_drafter(drafter: Drafter, dirpath: str | Path, train_config: dict | Non
     }
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     atomic_write(dirpath / WEIGHTS, lambda p: save_file(state, p))
-    atomic_write(dirpath / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2, default=str)))
+    write_json(dirpath / META, meta)
     return dirpath
 
 
@@ -76,3 +76,11 @@ def atomic_write(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(Path(path), lambda p: Path(p).write_text(text))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, default=str))

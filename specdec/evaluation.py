@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.base import Base
-from specdec.checkpoint import load_drafter, read_meta
+from specdec.checkpoint import load_drafter, read_meta, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.decode import SamplerConfig, generate
@@ -55,7 +55,10 @@ class Method:
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """base -> drafters (refused on a base mismatch) -> prompts -> methods -> warm-up -> timed runs -> report."""
     out_dir = Path(cfg.paths.output_dir)
-    _refuse_overwrite(out_dir, cfg.overwrite)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    done = _earlier_report(out_dir, config, cfg.overwrite)
+    if done is not None:
+        return done
     torch.manual_seed(cfg.seed)
     # Checkpoint metadata first: a drafter from another base fails here, before the base is even loaded.
     paths = _drafter_names(list(cfg.drafters or []))
@@ -78,6 +81,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             runs[m.name].extend(_answer_turn_by_turn(base, m, chunk))
 
     report = _tabulate(cfg, base, items, methods, runs, sampler, metas)
+    report["config"] = config
     _write(out_dir, cfg, report, methods)
     return report
 
@@ -256,15 +260,15 @@ def _write(out_dir: Path, cfg: DictConfig, report: dict, methods: list[Method]) 
     out_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     md = render_markdown(report, config_yaml)
-    _atomic_text(out_dir / "report.md", md)
-    _atomic_text(out_dir / "results.json", json.dumps(report, indent=2, default=str))
+    write_text(out_dir / "report.md", md)
+    write_text(out_dir / "results.json", json.dumps(report, indent=2, default=str))
     cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "pooled_tok_per_s", "speedup_vs_ar", "speedup_vs_hf",
             "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
     cat_cols = [f"speedup_vs_ar/{c}" for c in report["categories"]]
     csv = [",".join(cols + cat_cols)]
     for r in report["rows"]:
         csv.append(",".join([str(r[c]) for c in cols] + [str(v) for v in r["per_category_speedup"].values()]))
-    _atomic_text(out_dir / "results.csv", "\n".join(csv) + "\n")
+    write_text(out_dir / "results.csv", "\n".join(csv) + "\n")
     plots = _plot(out_dir, report)
     print(md)
     print(f"[specdec] report, CSV, JSON and plots in {out_dir}")
@@ -344,15 +348,19 @@ def _drafter_names(paths: list[str]) -> dict[str, str]:
     return names
 
 
-def _refuse_overwrite(out_dir: Path, overwrite: bool) -> None:
-    if (out_dir / "report.md").exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a report; pick another hydra.run.dir or set overwrite=true")
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _earlier_report(out_dir: Path, config: dict, overwrite: bool) -> dict | None:
+    """A run dir with a report is never overwritten silently: the same config returns the earlier report (a rerun
+    of a table re-measures nothing), another config is refused unless overwrite=true."""
+    path = out_dir / "results.json"
+    if overwrite or not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    same = lambda c: {k: v for k, v in c.items() if k not in ("overwrite", "wandb", "tags")}  # noqa: E731
+    if same(report.get("config", {})) == same(config):
+        print(f"[specdec] {out_dir} already holds this evaluation; its report is returned (overwrite=true re-measures)")
+        return report
+    raise FileExistsError(f"{out_dir} already holds a report of another config; pick another hydra.run.dir or set "
+                          f"overwrite=true")
 
 
 def _sync_time(device: torch.device) -> float:

@@ -3,6 +3,7 @@ offline acceptance metrics; and `train(cfg)`, the top-to-bottom training recipe 
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MeanMetric
 
 from specdec.base import Base, Features
-from specdec.checkpoint import save_drafter
+from specdec.checkpoint import save_drafter, write_json
 from specdec.drafters.drafter import Drafter, TrainOutput
+from specdec.sweeps import RESULT, ConfigError
 
 
 @dataclass
@@ -189,6 +191,11 @@ class DraftTrainer(L.LightningModule):
         self.log("val/expected_tau", self.drafter.expected_tau(accept), prog_bar=True)
         self._step_start = None  # validation time is not training throughput
 
+    def val_metric_names(self) -> list[str]:
+        """Every validation metric this module logs (what a sweeper may optimise)."""
+        per_entry = [f"val/{n}_{m}" for n in self.drafter.head_names for m in ("kl", "top1", "accept")]
+        return ["val/loss", "val/expected_tau", *per_entry, *(f"val/{n}" for n in self.drafter.aux_metric_names)]
+
     def configure_optimizers(self):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         optimizer = self.optimizer(params=params)
@@ -211,15 +218,25 @@ class SaveDrafter(L.Callback):
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """seed -> base -> drafter -> module -> data -> callbacks/loggers -> trainer -> fit -> metrics."""
+    """seed -> base -> drafter -> module -> data -> callbacks/loggers -> trainer -> fit -> metrics.
+
+    A run dir that already holds a finished run with the same config returns its metrics without training (a
+    rerun of a sweep or table only trains what is missing); one with a checkpoint resumes from it."""
+    out_dir = Path(cfg.paths.output_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    finished = _finished_run(out_dir, config)
+    if finished is not None:
+        return finished
     L.seed_everything(cfg.seed, workers=True)
     base: Base = hydra.utils.instantiate(cfg.base)
     drafter: Drafter = hydra.utils.instantiate(cfg.drafter)(base=base)
     module = hydra.utils.instantiate(cfg.module)(base=base, drafter=drafter)
+    check_metric_name(cfg.get("optimized_metric"), module)
     datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
     if hasattr(datamodule, "check"):  # a feature cache: refuse another base or missing layers before training
         datamodule.check(base, drafter)
-    if drafter.draft_vocab is not None and cfg.get("ckpt_path") is None:  # (a resumed run loads it)
+    ckpt_path = resume_path(cfg.get("ckpt_path"), out_dir)
+    if drafter.draft_vocab is not None and ckpt_path is None:  # (a resumed run loads it)
         counts = datamodule.train_token_counts(base.vocab_size)  # [V]
         top = counts.topk(drafter.draft_vocab.size)
         drafter.set_draft_vocab(top.indices)
@@ -227,21 +244,86 @@ def train(cfg: DictConfig) -> dict[str, float]:
               f"{top.values.sum() / counts.sum():.1%} of the training tokens")
 
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    callbacks.append(SaveDrafter(str(Path(cfg.paths.output_dir) / "drafter"), OmegaConf.to_container(cfg, resolve=True)))
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    callbacks.append(SaveDrafter(str(out_dir / "drafter"), config))
+    loggers = [hydra.utils.instantiate(c, **_sweep_grouping(c)) for c in (cfg.get("logger") or {}).values()]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(config)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     print(f"[specdec] base {base.name} | drafter {type(drafter).__name__} | trainable params {n_train:,}")
+    if ckpt_path is not None:
+        print(f"[specdec] resuming from {ckpt_path}")
 
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     finally:
         _finish_wandb()
+    if trainer.global_rank == 0 and not trainer.interrupted:
+        write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
+                                      "trainable_params": n_train, "global_step": trainer.global_step})
     _print_val_table(metrics, drafter.head_names)
     return metrics
+
+
+def _finished_run(out_dir: Path, config: dict) -> dict[str, float] | None:
+    path = out_dir / RESULT
+    if not path.exists():
+        return None
+    done = json.loads(path.read_text())
+    if done.get("status") != "completed":
+        return None
+    if _comparable(done["config"]) != _comparable(config):
+        diff = sorted(k for k in set(done["config"]) | set(config) if done["config"].get(k) != config.get(k))
+        raise ValueError(f"{out_dir} holds a finished run with another config (differs in {', '.join(diff)}); "
+                         f"pick another hydra.run.dir or delete {path}")
+    print(f"[specdec] {out_dir} already holds this finished run; its metrics are returned (delete {RESULT} to retrain)")
+    return done["metrics"]
+
+
+def _comparable(config: dict) -> dict:
+    """What decides a run's result: everything but where it resumes from and how it logs."""
+    return {k: v for k, v in config.items() if k not in ("ckpt_path", "logger", "callbacks", "tags")}
+
+
+def resume_path(ckpt_path: str | None, out_dir: Path) -> str | None:
+    """`last` (the default): the newest of this run dir's last.ckpt and Lightning's SLURM requeue checkpoints
+    (hpc_ckpt_*.ckpt), or None when there is none yet; null: start fresh; anything else: that file."""
+    if ckpt_path != "last":
+        if ckpt_path is not None and not Path(ckpt_path).exists():
+            raise FileNotFoundError(f"ckpt_path {ckpt_path} does not exist")
+        return ckpt_path
+    found = [*out_dir.glob("checkpoints/last*.ckpt"), *out_dir.glob("hpc_ckpt_*.ckpt")]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def check_metric_name(name: str | None, module: DraftTrainer) -> None:
+    """A sweep optimises `optimized_metric`: refuse, before training, a name the module never logs."""
+    if name is None:
+        return
+    logged = module.val_metric_names()
+    if name not in logged:
+        raise ConfigError(f"optimized_metric {name!r} is never logged by {type(module.drafter).__name__}; "
+                         f"pick one of {', '.join(logged)}")
+
+
+def _sweep_grouping(logger_cfg: DictConfig) -> dict:
+    """In a Hydra multirun, wandb groups the runs by sweep (group = <task_name>/<sweep dir name>, unless a group is
+    set) and names and tags each run by its own overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if "WandbLogger" not in str(logger_cfg.get("_target_", "")) or not HydraConfig.initialized():
+        return {}
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    overrides = list(hc.overrides.task)
+    group = logger_cfg.get("group")
+    sweep = Path(hc.sweep.dir).name
+    return {"group": f"{group}/{sweep}" if group else sweep,
+            "name": logger_cfg.get("name") or hc.job.override_dirname or str(hc.job.num),
+            "tags": [*(logger_cfg.get("tags") or []), *overrides][:64]}
 
 
 def _finish_wandb() -> None:

@@ -11,8 +11,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from conftest import CONFIGS
 
-GROUP_FILES = sorted(p for p in CONFIGS.glob("*/*.yaml") if p.parent.name not in {"hydra", "paths", "experiment", "debug", "hparams_search"})
-GLOBAL_FILES = sorted(p for p in CONFIGS.glob("*/**/*.yaml") if p.parent.relative_to(CONFIGS).parts[0] in {"experiment", "debug"})
+GLOBAL_GROUPS = {"experiment", "debug", "hparams_search", "cluster"}  # `# @package _global_` options
+GROUP_FILES = sorted(p for p in CONFIGS.glob("*/*.yaml") if p.parent.name not in {"hydra", "paths", *GLOBAL_GROUPS})
+GLOBAL_FILES = sorted(p for p in CONFIGS.glob("*/**/*.yaml") if p.parent.relative_to(CONFIGS).parts[0] in GLOBAL_GROUPS)
 
 
 def _locate(path: str):
@@ -26,6 +27,8 @@ def _locate(path: str):
 def _check_targets(node, where: str) -> int:
     """Recursively bind each _target_ node's keys to the callable's parameters; returns nodes checked."""
     n = 0
+    if isinstance(node, DictConfig) and node._is_none():
+        return 0
     if isinstance(node, DictConfig):
         if "_target_" in node:
             fn = _locate(node._target_)
@@ -58,12 +61,20 @@ def test_group_option_composes_and_binds(path: Path, tmp_path):
 
 @pytest.mark.parametrize("path", GLOBAL_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_global_configs_compose(path: Path, tmp_path):
-    group = str(path.parent.relative_to(CONFIGS))
+    """Each global option composes with its entry point (a table's eval*.yaml with evaluate.yaml), and its
+    targets bind, the Hydra sweeper and launcher it picks included."""
+    group, *option = path.relative_to(CONFIGS).with_suffix("").parts  # experiment/drafters/eval -> experiment=drafters/eval
+    primary = "evaluate" if path.stem.startswith("eval") else "train"
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
-        cfg = compose("train", overrides=[f"{group}={path.stem}", f"paths.output_dir={tmp_path}"])
+        cfg = compose(primary, overrides=[f"{group}={'/'.join(option)}", f"paths.output_dir={tmp_path}"],
+                      return_hydra_config=True)
     OMEGA = OmegaConf.to_container(cfg, resolve=False)
     assert OMEGA["base"]["_target_"]
-    _check_targets(cfg, group)
+    for key in cfg:
+        if key != "hydra":
+            _check_targets(cfg[key], f"{group}: {key}")
+    for node in ("launcher", "sweeper"):  # the Hydra plugins it picks
+        _check_targets(cfg.hydra[node], f"{group}: hydra.{node}")
 
 
 def test_default_train_config_resolves(tmp_path):

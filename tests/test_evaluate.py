@@ -53,8 +53,12 @@ def test_evaluate_end_to_end(tmp_path, questions):
         assert (out / name).stat().st_size > 0
     md = (out / "report.md").read_text()
     assert "```yaml" in md and "| medusa | yes |" in md and "speedup vs HF generate" in md
-    # nothing overwritten silently
-    with pytest.raises(FileExistsError):
+    # nothing overwritten silently: the same config returns the earlier report, another config is refused
+    before = (out / "results.json").stat().st_mtime_ns
+    assert evaluate(cfg)["header"] == json.loads((out / "results.json").read_text())["header"]
+    assert (out / "results.json").stat().st_mtime_ns == before
+    cfg.sampler.gamma = 2
+    with pytest.raises(FileExistsError, match="another config"):
         evaluate(cfg)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specdec.data.features import read_meta
+from specdec.data.sampler import train_loader
 
 
 class FeatureShards(Dataset):
@@ -83,8 +84,7 @@ class CachedFeatures(L.LightningDataModule):
         return counts
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        return train_loader(self.splits["train"], self.batch_size, self.seed, self.num_workers, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.splits["val"], batch_size=self.batch_size, num_workers=self.num_workers)

@@ -18,6 +18,8 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from specdec.data.sampler import train_loader
+
 
 class TextDataModule(L.LightningDataModule):
     def __init__(
@@ -49,8 +51,7 @@ class TextDataModule(L.LightningDataModule):
             self.blocks = self._packed().with_format("torch")
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.blocks["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        return train_loader(self.blocks["train"], self.batch_size, self.seed, self.num_workers, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.blocks["val"], batch_size=self.batch_size, num_workers=self.num_workers)

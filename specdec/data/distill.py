@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.base import Base
-from specdec.checkpoint import atomic_write
+from specdec.checkpoint import write_json
 from specdec.data.prompts import render_chat
 from specdec.sampling.decode import SamplerConfig, generate
 
@@ -232,7 +232,7 @@ def _write_or_check_meta(out: Path, meta: dict) -> None:
                              f"use another out_dir or delete it")
         return
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
+    write_json(path, meta)
 
 
 @hydra.main(version_base="1.3", config_path="../../configs", config_name="distill")

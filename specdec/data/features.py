@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.base import LAST, Base
-from specdec.checkpoint import atomic_write
+from specdec.checkpoint import write_json
 
 STORE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
@@ -131,7 +131,7 @@ def _write_or_check_meta(out: Path, meta: dict) -> None:
                              f"use another out_dir or delete it")
         return
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
+    write_json(path, meta)
 
 
 def read_meta(path: str | Path) -> dict:

@@ -55,6 +55,7 @@ class Drafter(nn.Module):
     feature_layers: tuple[int, ...] = (LAST,)  # keys of Features.hidden the drafter reads
     target_offsets: list[int]
     head_names: list[str]  # one metric name per training entry, e.g. ["head1", "head2"]
+    aux_metric_names: tuple[str, ...] = ()  # keys of TrainOutput.aux_metrics (logged as train/<name>, val/<name>)
     max_depth: int | None = None  # deepest draft depth it supports (Medusa: num_heads); None = unbounded
 
     def __init__(self, base: Base, **hparams: Any):

@@ -29,6 +29,8 @@ POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module d
 
 
 class Prophet(Drafter):
+    aux_metric_names = ("feature_loss", "feature_loss_last")
+
     def __init__(
         self,
         base: Base,

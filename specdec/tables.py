@@ -1,0 +1,162 @@
+"""Paper tables, one command each (experiments/<table>.py): run the table's training sweep
+(configs/experiment/<table>/train.yaml, `train.py -m`) and its evaluation (eval.yaml, `evaluate.py`), then write
+the table as markdown + CSV + PNG. Finished runs are read back, not rerun, so a killed table continues where it
+stopped and `--render` rebuilds the table from the runs alone.
+
+    python experiments/<table>.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...] [KEY=VALUE ...]
+
+Unprefixed overrides go to both sides (paths.log_dir=..., base=...); `train:`/`eval:` ones to one side only
+(train:trainer.max_steps=2000 train:trainer=gpu, eval:prompts.limit=80). --smoke runs the same sweep on the tiny
+base in seconds (make test runs it for every table)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from specdec.checkpoint import write_text
+from specdec.sweeps import REPORT, RESULT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The smoke variant: the same sweeps on a tiny random base (deep enough for every exit layer of exit_layer) and a
+# few stdlib files, two steps, two prompts of eight tokens.
+SMOKE_BASE = ["base=tiny", "base.num_layers=18"]
+SMOKE_TRAIN = [*SMOKE_BASE, "data.source.max_files=6", "data.block_size=32", "data.batch_size=2",
+               "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "logger=csv",
+               "callbacks.progress_bar.refresh_rate=0"]
+SMOKE_EVAL = [*SMOKE_BASE, "prompts.limit=2", "sampler.max_new_tokens=8", "peers=[]", "warmup=false",
+              "wandb.enabled=false"]
+
+
+@dataclass
+class Table:
+    """What a table script builds from its finished runs."""
+
+    title: str
+    rows: list[dict[str, Any]]
+    columns: dict[str, str]  # row key -> column header, in order
+    plot: Callable[[Any], None] | None = None  # draws on a matplotlib Figure
+    notes: list[str] = field(default_factory=list)
+
+
+def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=f"Reproduce the `{name}` table", epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny base, seconds (what make test runs)")
+    ap.add_argument("--render", action="store_true", help="only rebuild the table from finished runs")
+    ap.add_argument("--out", help="where the table goes (default experiments/results/<table>; smoke: the log dir)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+
+    both = [o for o in args.overrides if not o.startswith(("train:", "eval:"))]
+    train = [o.removeprefix("train:") for o in args.overrides if o.startswith("train:")]
+    evals = [o.removeprefix("eval:") for o in args.overrides if o.startswith("eval:")]
+    log_dir = next((o.split("=", 1)[1] for o in reversed(both) if o.startswith("paths.log_dir=")), str(ROOT / "logs"))
+    root = Path(log_dir) / "experiments" / name
+    if args.smoke:
+        train, evals = [*SMOKE_TRAIN, *train], [*SMOKE_EVAL, *evals]
+
+    if not args.render:
+        _run("train.py", f"experiment={name}/train", [*both, *train])
+        _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
+    table = build(root)
+    out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
+    command = " ".join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
+    write(out, name, table, command)
+    return out
+
+
+def _run(script: str, experiment: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, str(ROOT / script), experiment, *overrides]
+    print("[specdec] $", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PROJECT_ROOT": str(ROOT)})
+
+
+# -- reading finished runs -------------------------------------------------------------------------
+def train_runs(root: Path) -> dict[str, dict]:
+    """Finished training jobs of the table: run dir name -> result.json (metrics, config, trainable_params)."""
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "train").glob(f"*/{RESULT}"))}
+
+
+def eval_reports(root: Path) -> dict[str, dict]:
+    """Finished evaluations of the table: job dir name ('' for a single run) -> results.json."""
+    found = sorted((root / "eval").glob(f"**/{REPORT}"))
+    return {str(p.parent.relative_to(root / "eval")).replace(".", ""): json.loads(p.read_text()) for p in found}
+
+
+def method_row(report: dict, method: str) -> dict:
+    return next(r for r in report["rows"] if r["method"] == method)
+
+
+def val_curve(root: Path, run: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one logged metric of a training run, from its CSV log."""
+    steps, values = [], []
+    for path in sorted((root / "train" / run).glob("csv/version_*/metrics.csv")):
+        for row in csv.DictReader(path.open()):
+            if row.get(key):
+                steps.append(int(row["step"]))
+                values.append(float(row[key]))
+    return steps, values
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def write(out: Path, name: str, table: Table, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cols = list(table.columns)
+    md = [f"# {table.title}", "",
+          f"`{command}` · {datetime.date.today()} · {_machine()}", "",
+          "| " + " | ".join(table.columns.values()) + " |", "|---" * len(cols) + "|"]
+    md += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in table.rows]
+    md += [""] + [f"{n}" for n in table.notes] + ["", f"![{name}]({name}.png)"]
+    write_text(out / f"{name}.md", "\n".join(md) + "\n")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(table.rows)
+    write_text(out / f"{name}.csv", buf.getvalue())
+    if table.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(9, 3.6))
+        table.plot(fig)
+        fig.tight_layout()
+        tmp = out / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, out / f"{name}.png")
+    print("\n".join(md))
+    print(f"[specdec] table written to {out}")
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return "—" if v != v else (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}")
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.machine()}, {os.cpu_count()} cores, {os.environ.get('OMP_NUM_THREADS', '?')} threads"
