@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup demo test bench distill clean
+.PHONY: setup demo test bench distill tables clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ demo: setup
 distill: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
+
+# The five paper tables on the embedded default, one after another (each: python experiments/<table>.py).
+TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit
+tables: setup
+	for t in $(TABLES); do OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
 
 bench: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py

@@ -69,10 +69,13 @@ class SweepSummary(Callback):
 
 
 def sweep_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
-    """Every job dir under a sweep dir (one with .hydra/overrides.yaml): its overrides, status and metric."""
+    """Every job dir under a sweep dir (one with .hydra/overrides.yaml): the overrides that set it apart from the
+    other jobs, its status and its metric."""
+    jobs = sorted(p.parent.parent for p in sweep_dir.glob("**/.hydra/overrides.yaml"))
+    overrides = {job: list(OmegaConf.load(job / ".hydra" / "overrides.yaml")) for job in jobs}
+    shared = set.intersection(*(set(o) for o in overrides.values())) if len(jobs) > 1 else set()
     rows = []
-    for job in sorted(p.parent.parent for p in sweep_dir.glob("**/.hydra/overrides.yaml")):
-        overrides = " ".join(OmegaConf.load(job / ".hydra" / "overrides.yaml"))
+    for job in jobs:
         status, value = "unfinished", ""
         if (job / FAILED).exists():
             status, value = "failed", json.loads((job / FAILED).read_text())["error"]
@@ -81,5 +84,6 @@ def sweep_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
             value = json.loads((job / RESULT).read_text()).get("metrics", {}).get(metric, "") if metric else ""
         elif (job / REPORT).exists():
             status = "completed"
-        rows.append({"job": str(job.relative_to(sweep_dir)), "overrides": overrides, "status": status, "value": value})
+        own = " ".join(o for o in overrides[job] if o not in shared)
+        rows.append({"job": str(job.relative_to(sweep_dir)), "overrides": own, "status": status, "value": value})
     return rows

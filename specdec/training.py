@@ -4,6 +4,7 @@ offline acceptance metrics; and `train(cfg)`, the top-to-bottom training recipe 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MeanMetric
 
@@ -257,6 +259,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    except SIGTERMException:  # Lightning stopped after the current step and ModelCheckpoint saved it
+        print(f"[specdec] SIGTERM: stopped at step {trainer.global_step}, checkpoint in {out_dir / 'checkpoints'}; "
+              f"rerun the same command to resume")
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         _finish_wandb()
     if trainer.global_rank == 0 and not trainer.interrupted:

@@ -21,15 +21,18 @@ def tiny():
     return tiny_base()
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
+def write_corpus(d: Path) -> Path:
     """A few small text documents (python-ish) to train on: enough for a handful of 32-token blocks."""
-    d = tmp_path / "corpus"
     d.mkdir()
     for i in range(6):
         body = "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(8))
         (d / f"doc{i}.txt").write_text(body)
     return d
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
 
 
 def compose_train(overrides: list[str], tmp_path: Path, config_name: str = "train"):

@@ -1,6 +1,7 @@
 """train.py in-process: fast_dev_run per drafter family on the tiny base, and a short real run that writes
 CSV metrics and a drafter checkpoint."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,9 @@ def test_short_run_logs_and_saves_drafter(corpus, tmp_path, tiny):
     drafter = load_drafter(out / "drafter", tiny)
     assert len(drafter.heads) == 2
     assert (out / "checkpoints" / "last.ckpt").exists()
+    # a rerun into the same run dir reads the finished run back instead of training again ...
+    assert train(cfg) == json.loads((out / "result.json").read_text())["metrics"]
+    # ... and the same dir with another config is refused in one line, before any work
+    cfg.module.optimizer.lr = 3e-3
+    with pytest.raises(ValueError, match="holds a finished run with another config .differs in module"):
+        train(cfg)

