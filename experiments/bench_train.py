@@ -57,8 +57,8 @@ def main(argv: list[str]) -> None:
             t[name] += time.perf_counter() - t0
         tokens += ids.numel()
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    print(f"| drafter | trainable params | base forward tok/s | training tok/s | ratio |")
-    print(f"|---|---|---|---|---|")
+    print("| drafter | trainable params | base forward tok/s | training tok/s | ratio |")
+    print("|---|---|---|---|---|")
     print(f"| {cfg.drafter._target_.rsplit('.', 1)[-1]} | {n_train:,} | {tokens / t['base']:.0f} | "
           f"{tokens / t['train']:.0f} | {t['base'] / t['train']:.2f} |")
     print(f"({steps} batches of {ids.shape[0]}x{ids.shape[1]} tokens, {torch.get_num_threads()} threads, "
