@@ -265,7 +265,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         _finish_wandb()
-    if trainer.global_rank == 0 and not trainer.interrupted:
+    if trainer.global_rank == 0 and not trainer.interrupted and not trainer.fast_dev_run:
         write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
                                       "trainable_params": n_train, "global_step": trainer.global_step})
     _print_val_table(metrics, drafter.head_names)
@@ -314,8 +314,8 @@ def check_metric_name(name: str | None, module: DraftTrainer) -> None:
 
 
 def _sweep_grouping(logger_cfg: DictConfig) -> dict:
-    """In a Hydra multirun, wandb groups the runs by sweep (group = <task_name>/<sweep dir name>, unless a group is
-    set) and names and tags each run by its own overrides."""
+    """In a Hydra multirun, wandb groups the runs by sweep (group = <the configured group, task_name by
+    default>/<sweep dir name>) and names and tags each run by its own overrides."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
