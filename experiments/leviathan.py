@@ -12,7 +12,9 @@ def build(root):
     for report in eval_reports(root).values():
         r = method_row(report, "earlyexit")
         lev = r["leviathan"]
-        rows.append({"gamma": lev["gamma"], "alpha": r["alpha"], "tau": lev["measured_tau"],
+        alpha_i = r["alpha_i"] + [float("nan")] * 2  # conditional acceptance at draft positions 1, 2, ...
+        rows.append({"gamma": lev["gamma"], "alpha": r["alpha"], "alpha1": alpha_i[0], "alpha2": alpha_i[1],
+                     "tau": lev["measured_tau"],
                      "tau_model": lev["predicted_tau"], "c": lev["c"], "speedup": lev["measured_speedup"],
                      "speedup_model": lev["predicted_speedup"]})
     rows.sort(key=lambda r: r["gamma"])
@@ -21,7 +23,7 @@ def build(root):
         ax1, ax2 = fig.subplots(1, 2)
         g = [r["gamma"] for r in rows]
         ax1.plot(g, [r["tau"] for r in rows], "o-", label="measured")
-        ax1.plot(g, [r["tau_model"] for r in rows], "s--", label="(1 − α^{γ+1})/(1 − α)")
+        ax1.plot(g, [r["tau_model"] for r in rows], "s--", label="(1 − α^(γ+1))/(1 − α)")
         ax1.set(xlabel="γ", ylabel="τ", title="Tokens per base forward")
         ax2.plot(g, [r["speedup"] for r in rows], "o-", label="measured")
         ax2.plot(g, [r["speedup_model"] for r in rows], "s--", label="τ/(γc + 1)")
@@ -32,10 +34,11 @@ def build(root):
             ax.grid(alpha=0.3)
 
     return Table("Leviathan et al.: τ and speedup vs γ (early-exit chain drafter)", rows,
-                 {"gamma": "γ", "alpha": "α", "tau": "τ measured", "tau_model": "τ model", "c": "c",
+                 {"gamma": "γ", "alpha": "α", "alpha1": "α₁", "alpha2": "α₂", "tau": "τ measured", "tau_model": "τ model", "c": "c",
                   "speedup": "speedup measured", "speedup_model": "speedup model"}, plot,
-                 ["α: accepted / drafted over the run at that γ; the model uses that α. c: measured draft time per "
-                  "token × AR tokens/s (same run)."])
+                 ["α: accepted / drafted over the run at that γ; the model uses that α (i.i.d. across positions). "
+                  "α₁, α₂: acceptance at draft positions 1 and 2 given the earlier ones were accepted. c: measured draft "
+                  "time per token × AR tokens/s (same run)."])
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ def atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result gets the permissions a plain write would
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

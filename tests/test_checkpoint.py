@@ -1,8 +1,10 @@
+import os
+
 import pytest
 import torch
 
 from specdec.base import tiny_base
-from specdec.checkpoint import BaseMismatchError, load_drafter, save_drafter
+from specdec.checkpoint import BaseMismatchError, load_drafter, save_drafter, write_text
 from specdec.drafters.medusa import Medusa
 
 
@@ -30,3 +32,10 @@ def test_refuses_another_base(tiny, tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="no drafter checkpoint"):
         load_drafter(tmp_path / "nothing", tiny)
+
+
+def test_atomic_write_keeps_plain_file_permissions(tmp_path):
+    write_text(tmp_path / "a.txt", "x")
+    (tmp_path / "b.txt").write_text("x")  # what a plain write gives under the current umask
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == (tmp_path / "b.txt").stat().st_mode & 0o777
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp file left behind
