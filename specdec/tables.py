@@ -91,8 +91,11 @@ def train_runs(root: Path) -> dict[str, dict]:
 
 def eval_reports(root: Path) -> dict[str, dict]:
     """Finished evaluations of the table: job dir name ('' for a single run) -> results.json."""
-    found = sorted((root / "eval").glob(f"**/{REPORT}"))
-    return {str(p.parent.relative_to(root / "eval")).replace(".", ""): json.loads(p.read_text()) for p in found}
+    reports = {}
+    for p in sorted((root / "eval").glob(f"**/{REPORT}")):
+        job = p.parent.relative_to(root / "eval")
+        reports["" if job == Path(".") else str(job)] = json.loads(p.read_text())
+    return reports
 
 
 def method_row(report: dict, method: str) -> dict:
