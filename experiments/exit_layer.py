@@ -5,7 +5,7 @@ for each L on the same budget; τ and speedup versus L, all against one AR run.
 
 from pathlib import Path
 
-from specdec.tables import Table, eval_reports, main, method_row, train_runs
+from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup, train_runs
 
 
 def build(root):
@@ -22,17 +22,11 @@ def build(root):
     rows.sort(key=lambda r: r["L"])
 
     def plot(fig):
-        ax1, ax2 = fig.subplots(1, 2)
         L = [r["L"] for r in rows]
-        ax1.plot(L, [r["tau"] for r in rows], "o-", label="measured")
-        ax1.plot(L, [r["val_tau"] for r in rows], "s--", label="predicted (validation)")
-        ax1.set(xlabel="exit layer L", ylabel="τ", title="Tokens per base forward")
-        ax1.legend()
-        ax2.plot(L, [r["speedup"] for r in rows], "o-")
-        ax2.axhline(1.0, color="k", lw=0.8)
-        ax2.set(xlabel="exit layer L", ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
-        for ax in (ax1, ax2):
-            ax.grid(alpha=0.3)
+        col = lambda key: [r[key] for r in rows]  # noqa: E731
+        tau_and_speedup(fig, "exit layer L",
+                        [("measured", L, col("tau"), "o-"), ("predicted (validation)", L, col("val_tau"), "s--")],
+                        [("measured", L, col("speedup"), "o-")])
 
     n = report["config"]["base"]
     return Table("Early-exit layer sweep", rows,

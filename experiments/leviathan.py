@@ -4,7 +4,7 @@ Leviathan et al.'s τ = (1 − α^{γ+1})/(1 − α) and walltime model speedup 
 
     python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import Table, eval_reports, main, method_row
+from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup
 
 
 def build(root):
@@ -20,18 +20,11 @@ def build(root):
     rows.sort(key=lambda r: r["gamma"])
 
     def plot(fig):
-        ax1, ax2 = fig.subplots(1, 2)
         g = [r["gamma"] for r in rows]
-        ax1.plot(g, [r["tau"] for r in rows], "o-", label="measured")
-        ax1.plot(g, [r["tau_model"] for r in rows], "s--", label="(1 − α^(γ+1))/(1 − α)")
-        ax1.set(xlabel="γ", ylabel="τ", title="Tokens per base forward")
-        ax2.plot(g, [r["speedup"] for r in rows], "o-", label="measured")
-        ax2.plot(g, [r["speedup_model"] for r in rows], "s--", label="τ/(γc + 1)")
-        ax2.axhline(1.0, color="k", lw=0.8)
-        ax2.set(xlabel="γ", ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
-        for ax in (ax1, ax2):
-            ax.legend()
-            ax.grid(alpha=0.3)
+        col = lambda key: [r[key] for r in rows]  # noqa: E731
+        tau_and_speedup(fig, "γ",
+                        [("measured", g, col("tau"), "o-"), ("(1 − α^(γ+1))/(1 − α)", g, col("tau_model"), "s--")],
+                        [("measured", g, col("speedup"), "o-"), ("τ/(γc + 1)", g, col("speedup_model"), "s--")])
 
     return Table("Leviathan et al.: τ and speedup vs γ (early-exit chain drafter)", rows,
                  {"gamma": "γ", "alpha": "α", "alpha1": "α₁", "alpha2": "α₂", "tau": "τ measured", "tau_model": "τ model", "c": "c",

@@ -4,7 +4,7 @@ dynamic tree of depth k, τ and speedup. One 5-head drafter is trained; its firs
 
     python experiments/medusa_heads.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import Table, eval_reports, main, method_row
+from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup
 
 
 def build(root):
@@ -17,17 +17,10 @@ def build(root):
     rows.sort(key=lambda r: (r["tree"], r["heads"]))
 
     def plot(fig):
-        ax1, ax2 = fig.subplots(1, 2)
-        for tree in sorted({r["tree"] for r in rows}):
-            sel = [r for r in rows if r["tree"] == tree]
-            ax1.plot([r["heads"] for r in sel], [r["tau"] for r in sel], "o-", label=tree)
-            ax2.plot([r["heads"] for r in sel], [r["speedup"] for r in sel], "o-", label=tree)
-        ax1.set(xlabel="Medusa heads k", ylabel="τ", title="Tokens per base forward")
-        ax2.axhline(1.0, color="k", lw=0.8)
-        ax2.set(xlabel="Medusa heads k", ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
-        for ax in (ax1, ax2):
-            ax.legend()
-            ax.grid(alpha=0.3)
+        trees = {t: [r for r in rows if r["tree"] == t] for t in sorted({r["tree"] for r in rows})}
+        line = lambda key: [(t, [r["heads"] for r in sel], [r[key] for r in sel], "o-")  # noqa: E731
+                            for t, sel in trees.items()]
+        tau_and_speedup(fig, "Medusa heads k", line("tau"), line("speedup"))
 
     return Table("Medusa heads × chain vs tree", rows,
                  {"heads": "heads k", "draft": "draft", "tau": "τ", "alpha": "α", "tok_s": "tok/s",

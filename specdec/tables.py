@@ -73,7 +73,7 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
     table = build(root)
     out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
     command = " ".join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
-    write(out, name, table, command)
+    write(out, name, table, command, _machine(root))
     return out
 
 
@@ -113,12 +113,28 @@ def val_curve(root: Path, run: str, key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+Line = tuple[str, list, list, str]  # (label, x, y, matplotlib style)
+
+
+def tau_and_speedup(fig, xlabel: str, tau: list[Line], speedup: list[Line]) -> None:
+    """The two panels most tables draw: τ (tokens per base forward) and wall-clock speedup vs our AR loop."""
+    ax1, ax2 = fig.subplots(1, 2)
+    for ax, lines in ((ax1, tau), (ax2, speedup)):
+        for label, x, y, style in lines:
+            ax.plot(x, y, style, label=label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    ax1.set(xlabel=xlabel, ylabel="τ", title="Tokens per base forward")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set(xlabel=xlabel, ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
+
+
 # -- writing ---------------------------------------------------------------------------------------
-def write(out: Path, name: str, table: Table, command: str) -> None:
+def write(out: Path, name: str, table: Table, command: str, machine: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cols = list(table.columns)
     md = [f"# {table.title}", "",
-          f"`{command}` · {datetime.date.today()} · {_machine()}", "",
+          f"`{command}` · {datetime.date.today()} · {machine}", "",
           "| " + " | ".join(table.columns.values()) + " |", "|---" * len(cols) + "|"]
     md += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in table.rows]
     md += [""] + [f"{n}" for n in table.notes] + ["", f"![{name}]({name}.png)"]
@@ -157,9 +173,9 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"CPU {platform.machine()}, {os.cpu_count()} cores, {os.environ.get('OMP_NUM_THREADS', '?')} threads"
+def _machine(root: Path) -> str:
+    """Where the table's numbers were measured: the machine its evaluation reports name (not the one rendering)."""
+    report = next(iter(eval_reports(root).values()), None)
+    if report is None:
+        return f"{platform.machine()}, {os.cpu_count()} cores"
+    return f"{report['header']['device']}, {report['header']['threads']} threads"
