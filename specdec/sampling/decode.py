@@ -13,7 +13,7 @@ from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.cpu_gemv import SplitGemv
+from specdec.sampling.kernels import measured_kernels
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
 
 
@@ -33,7 +33,7 @@ class SamplerConfig:
     typical_eps: float = 0.3
     typical_delta: float = 0.09
     eos_token_id: int | list[int] | None = None  # None: the base config's eos; [] never stops early
-    split_gemv: bool = True  # CPU only: run decode-time matrix-vector products on all threads (cpu_gemv.py)
+    cpu_kernels: str = "measured"  # CPU only: measured = fastest matmul kernel per shape and rows (kernels.py); stock
 
     def __post_init__(self) -> None:
         """One-line errors for settings that would otherwise fail deep in a decode loop (or silently)."""
@@ -44,6 +44,7 @@ class SamplerConfig:
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.tree in ("chain", "static", "dynamic"), f"tree must be chain, static or dynamic, got {self.tree!r}"),
             (self.acceptance in ("rejection", "typical"), f"acceptance must be rejection or typical, got {self.acceptance!r}"),
+            (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
             (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
             (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
@@ -167,7 +168,8 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
              generator: torch.Generator | list[torch.Generator] | None = None) -> GenerationResult:
     """Decode every prompt (ragged lengths) with `drafter` (None = plain autoregressive). `generator`: one for
     the batch, or one per row (then row b's output equals its output alone)."""
-    with SplitGemv() if cfg.split_gemv and base.device.type == "cpu" else nullcontext():
+    fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
+    with measured_kernels(base, *([drafter] if drafter is not None else [])) if fast else nullcontext():
         return _generate(base, prompt_ids, drafter, cfg, generator)
 
 

@@ -1,0 +1,240 @@
+"""CPU matrix products for decoding, chosen by measurement on the machine that runs them.
+
+A decode step multiplies every weight of the base by a handful of rows (1 for plain decoding, γ+1 or a tree's
+nodes for a verify). PyTorch's default kernel for that shape (MKL's sgemm, x·Wᵀ) is fast on some CPUs and
+2-4x slower than the alternatives on others (seen here on an AMD EPYC: lm_head at 5 rows, 19 ms vs 6 ms), and
+which alternative wins depends on the CPU, the weight's shape and the row count. So nothing is assumed:
+on first use, every candidate is timed on the model's OWN weights (all of them of one shape, so the timing
+streams memory as a real step does) for each row bucket, the fastest is kept per (shape, rows) and the table
+is cached per machine (CPU model, threads, torch version) under ~/.cache/specdec/kernels.json.
+
+While decoding, each CPU nn.Linear of the base (and of the drafter) gets a forward that looks its row count up
+in that table: one Python call per linear, no interception of other ops. Candidates compute the same product
+in the same dtype; one that is missing or fails on this build is left out, and `linear` (PyTorch's default)
+is always there as the fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
+
+
+@dataclass(frozen=True)
+class Candidate:
+    run: Kernel  # (x [M, I], pack(w)) -> x·Wᵀ [M, O], contiguous
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None  # weight [O, I] -> the operand `run` reads; None: w
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def _mm_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # W·xᵀ: the weight is read row-major by MKL's NN path, which some CPUs run far faster at small M than x·Wᵀ
+    return torch.mm(w, x.T).T.contiguous()  # callers .view() the result
+
+
+def _bmm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # W as [n, O/n, I]: bmm gives each thread its own block of output rows (PyTorch's GEMV uses one thread)
+    n = torch.get_num_threads()
+    o, i = w.shape
+    if n < 2 or o % n:
+        raise ValueError("bmm_split needs >= 2 threads dividing the output rows")
+    return torch.bmm(w.view(n, o // n, i), x.T.expand(n, i, x.shape[0])).reshape(o, x.shape[0]).T.contiguous()
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # oneDNN's inner product
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    # oneDNN's blocked weight layout, made once: no per-call reorder (a second copy of the weight in memory)
+    return torch.ops.mkldnn._reorder_linear_weight(w, 8)
+
+
+CANDIDATES: dict[str, Candidate] = {
+    "linear": Candidate(_linear),
+    "mm_nn": Candidate(_mm_nn),
+    "bmm_split": Candidate(_bmm_split),
+    "onednn": Candidate(_onednn),
+    "onednn_packed": Candidate(_onednn, _onednn_pack),
+}
+DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
+
+
+def machine_key() -> str:
+    """What a kernel choice depends on: the CPU model, the thread count, the torch build."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} | threads {torch.get_num_threads()} | torch {torch.__version__}"
+
+
+class KernelTable:
+    """Fastest kernel per (weight shape, row bucket) on this machine, measured once and cached in `path`."""
+
+    def __init__(self, path: Path | str | None = DEFAULT_CACHE, candidates: dict[str, Candidate] | None = None,
+                 rows: tuple[int, ...] = ROWS):
+        self.path = Path(path).expanduser() if path is not None else None
+        self.candidates = dict(CANDIDATES if candidates is None else candidates)
+        self.rows = rows
+        self.key = machine_key()
+        self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
+        self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> kernel -> seconds per product
+        self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
+        # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
+        self._packed: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+        if self.path is not None and self.path.exists():
+            stored = json.loads(self.path.read_text()).get(self.key, {})
+            self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
+            self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored.get("timings", {}).items()}
+
+    # -- measuring -------------------------------------------------------------------------------------
+    def prepare(self, weights: list[torch.Tensor]) -> None:
+        """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights."""
+        by_shape: dict[str, list[torch.Tensor]] = {}
+        for w in weights:
+            by_shape.setdefault(_shape_key(w), []).append(w)
+        missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
+        if not missing:
+            return
+        t0 = time.perf_counter()
+        for shape, ws in missing.items():
+            self.choice[shape], self.timings[shape] = self._measure(ws)
+        self.measure_s += time.perf_counter() - t0
+        self._save()
+
+    @torch.no_grad()
+    def _measure(self, weights: list[torch.Tensor]) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+        # Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products
+        # then stream from memory as in a real step instead of hitting a cache-warm copy.
+        ws = weights[:32]
+        choice, timings = {}, {}
+        for rows in self.rows:
+            x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
+            reference = F.linear(x, ws[0])
+            usable = {}
+            for name, cand in self.candidates.items():
+                try:  # a kernel missing from this build, or wrong, is left out
+                    operands = [cand.pack(w) for w in ws] if cand.pack else ws
+                    if not torch.allclose(cand.run(x, operands[0]), reference, rtol=1e-3,
+                                          atol=1e-3 * float(reference.abs().max())):
+                        continue
+                    usable[name] = (cand.run, operands)
+                except Exception:  # noqa: BLE001 — any failure means "not on this machine"
+                    continue
+            best = {name: float("inf") for name in usable}
+            for _ in range(3):  # interleaved passes, best of three: drift hits every candidate alike
+                for name, (fn, operands) in usable.items():
+                    t = time.perf_counter()
+                    for op in operands:
+                        fn(x, op)
+                    best[name] = min(best[name], (time.perf_counter() - t) / len(operands))
+            timings[rows] = best
+            choice[rows] = min(best, key=best.get) if best else "linear"
+        return choice, timings
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        stored = json.loads(self.path.read_text()) if self.path.exists() else {}
+        stored[self.key] = {"choice": self.choice, "timings": self.timings}
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(stored, indent=1))
+        os.replace(tmp, self.path)
+
+    # -- using -----------------------------------------------------------------------------------------
+    def plan(self, weight: torch.Tensor) -> list[tuple[Kernel, torch.Tensor] | None]:
+        """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows);
+        None where plain F.linear was fastest (so the common path pays no extra call)."""
+        choice = self.choice.get(_shape_key(weight), {})
+        out: list[tuple[Kernel, torch.Tensor] | None] = [None]
+        for rows in range(1, max(self.rows) + 1):
+            bucket = min((r for r in choice if r >= rows), default=None)
+            name = choice.get(bucket, "linear") if bucket is not None else "linear"
+            out.append(None if name == "linear" else (self.candidates[name].run, self._operand(name, weight)))
+        return out
+
+    def _operand(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The candidate's packed weight, made once per weight (and again if the weight changed in place)."""
+        cand = self.candidates[name]
+        if cand.pack is None:
+            return weight
+        key = (id(weight), name)
+        ref, version, operand = self._packed.get(key, (None, None, None))
+        if ref is None or ref() is not weight or version != weight._version:
+            with torch.no_grad():
+                operand = cand.pack(weight.detach())
+            self._packed[key] = (weakref.ref(weight), weight._version, operand)
+        return operand
+
+
+def _shape_key(w: torch.Tensor) -> str:
+    return f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}"
+
+
+_TABLE: KernelTable | None = None
+
+
+def default_table() -> KernelTable:
+    """The process-wide table (measured lazily, cached per machine on disk)."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = KernelTable()
+    return _TABLE
+
+
+@contextmanager
+def measured_kernels(*modules: nn.Module, table: KernelTable | None = None) -> Iterator[KernelTable]:
+    """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
+    shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`)."""
+    table = table or default_table()
+    linears = {id(m): m for mod in modules for m in mod.modules()
+               if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2}
+    table.prepare([m.weight for m in linears.values()])
+    patched = []
+    for lin in linears.values():
+        plan = table.plan(lin.weight)
+        if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
+            lin.forward = _forward(lin, plan)
+            patched.append(lin)
+    try:
+        yield table
+    finally:
+        for lin in patched:
+            del lin.forward
+
+
+def _forward(lin: nn.Linear, plan: list[tuple[Kernel, torch.Tensor] | None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, bias, limit = lin.weight, lin.bias, len(plan)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        chosen = plan[rows] if rows < limit else None
+        if chosen is None:
+            return F.linear(x, weight, bias)
+        kernel, operand = chosen
+        y = kernel(x.reshape(rows, x.shape[-1]), operand).reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    return forward

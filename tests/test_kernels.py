@@ -1,0 +1,75 @@
+"""Matmul kernels chosen by measurement (specdec/sampling/kernels.py): a missing or wrong kernel is left out, the
+choice is cached per machine, and every kernel path decodes the same greedy tokens as the stock forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import CANDIDATES, Candidate, KernelTable, measured_kernels
+
+ROWS = (1, 2, 5, 8)
+
+
+def _missing(x, w):
+    raise RuntimeError("kernel not in this build")
+
+
+def test_missing_or_wrong_kernels_fall_back(tmp_path):
+    cands = {"linear": CANDIDATES["linear"], "missing": Candidate(_missing),
+             "wrong": Candidate(lambda x, w: torch.zeros(x.shape[0], w.shape[0]))}
+    table = KernelTable(tmp_path / "k.json", candidates=cands, rows=ROWS)
+    w = torch.randn(48, 16)
+    table.prepare([w, w.clone()])
+    assert set(table.choice["48x16:float32"].values()) == {"linear"}
+    assert set(table.timings["48x16:float32"][1]) == {"linear"}  # the other two were never timed
+    assert table.plan(w) == [None] * (max(ROWS) + 1)  # linear = the stock path, no extra call
+
+
+def test_nothing_usable_means_stock(tmp_path):
+    table = KernelTable(tmp_path / "k.json", candidates={"missing": Candidate(_missing)}, rows=ROWS)
+    lin = torch.nn.Linear(16, 48, bias=True)
+    table.prepare([lin.weight])
+    with measured_kernels(lin, table=table):
+        assert "forward" not in lin.__dict__  # nothing patched
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_choice_is_cached_per_machine(tmp_path):
+    path = tmp_path / "k.json"
+    first = KernelTable(path, rows=ROWS)
+    first.prepare([torch.randn(64, 32)])
+    assert first.measure_s > 0
+    again = KernelTable(path, rows=ROWS)
+    again.prepare([torch.randn(64, 32)])
+    assert again.measure_s == 0 and again.choice == first.choice
+
+
+@pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "linear"])
+def test_every_kernel_path_is_greedy_identical(tiny, name):
+    """Force one kernel everywhere it runs (rows it cannot take stay on F.linear) and decode: same tokens."""
+    table = KernelTable(None, candidates={name: CANDIDATES[name]}, rows=(1, 2, 4, 8, 16))
+    prompts = [[5, 9, 12, 40, 7], [3, 4], [100, 101, 102]]
+    cfg = SamplerConfig(max_new_tokens=10, cpu_kernels="stock", eos_token_id=[])
+    stock = generate(tiny, prompts, None, cfg).tokens
+    with measured_kernels(tiny, table=table):
+        used = {k for c in table.choice.values() for k in c.values()}
+        fast = generate(tiny, prompts, None, cfg).tokens
+    assert torch.equal(fast, stock)
+    # the kernel really ran somewhere unless this build lacks it
+    x = torch.randn(2, tiny.hidden_size)
+    try:
+        CANDIDATES[name].run(x, (CANDIDATES[name].pack or (lambda w: w))(tiny.lm_head.weight))
+    except Exception:  # noqa: BLE001
+        return
+    assert name in used
+
+
+def test_patch_is_undone(tiny):
+    table = KernelTable(None, candidates={"mm_nn": CANDIDATES["mm_nn"]}, rows=(1, 2))
+    with measured_kernels(tiny, table=table):
+        assert "forward" in tiny.lm_head.__dict__
+    assert "forward" not in tiny.lm_head.__dict__
