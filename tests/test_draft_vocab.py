@@ -93,3 +93,39 @@ def test_cross_entropy_on_data_tokens_skips_tokens_outside_the_draft_vocab(tiny)
     for x in (even, odd):
         loss = module._step({"input_ids": x}, "train")
         assert torch.isfinite(loss) and loss > 0
+
+
+# -- every family with a draft vocab: the same contract ------------------------------------------------------------
+def _families():
+    from specdec.drafters.prophet import Prophet
+    return {"medusa": lambda b, **kw: Medusa(b, num_heads=3, **kw),
+            "prophet": lambda b, **kw: Prophet(b, unroll_steps=3, **kw)}
+
+
+@pytest.mark.parametrize("family", list(_families()))
+@pytest.mark.parametrize("own", [False, True])
+def test_family_draft_vocab_greedy_identity_and_checkpoint(tiny, tmp_path, family, own):
+    from specdec.checkpoint import save_drafter
+
+    tokens = torch.arange(0, tiny.vocab_size, 2)
+    make = _families()[family]
+    d = make(tiny, draft_vocab_size=len(tokens), own_lm_head=own)
+    d.set_draft_vocab(tokens)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x = torch.randint(0, tiny.vocab_size, (1, 9))
+    out = d.forward_train(tiny.features(x, d.feature_layers), x).logits
+    assert out.shape[-1] == len(tokens)
+    if own:  # the trainable projection covers the draft vocab only
+        assert all(lm.weight.shape[0] == len(tokens) for lm in d.vocab_heads())
+    prompts = [[5, 9, 33, 120], [7, 8]]
+    for cfg in (SamplerConfig(max_new_tokens=10, eos_token_id=[], gamma=3),
+                SamplerConfig(max_new_tokens=10, eos_token_id=[], tree="dynamic", dynamic_depth=3)):
+        ref = generate(tiny, prompts, None, cfg).tokens
+        assert torch.equal(generate(tiny, prompts, d.eval(), cfg).tokens, ref)
+    # the frozen draft-vocab projection is rebuilt from the saved tokens on load, never saved itself
+    save_drafter(d, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", tiny)
+    assert not any(k.endswith("draft_vocab.head.weight") for k in d.state_dict())
+    torch.testing.assert_close(loaded.forward_train(tiny.features(x, d.feature_layers), x).logits, out)

@@ -68,6 +68,28 @@ class Drafter(nn.Module):
     def base(self) -> Base:
         return self._frozen["base"]
 
+    def set_draft_vocab(self, tokens: torch.Tensor) -> None:
+        """Called by train() with the most frequent tokens of the data (families with a draft vocab); trainable
+        vocab projections (`vocab_heads`) restart from the base lm_head's rows of those tokens."""
+        self.draft_vocab.set(tokens)
+        for lm in self.vocab_heads():
+            lm.weight.data.copy_(self.draft_vocab.rows(self.base.lm_head.weight.detach()))
+
+    def vocab_heads(self) -> list[nn.Linear]:
+        """The drafter's own trainable vocab projections (own_lm_head), if any."""
+        return []
+
+    def project(self, z: torch.Tensor, own: nn.Linear | None = None) -> torch.Tensor:
+        """Features [..., H] -> draft logits [..., V_d]: through `own` (a trainable projection) when given, else the
+        base's frozen lm_head, restricted to the draft vocab when there is one (V_d = V without)."""
+        if own is not None:
+            return own(z)
+        return self.base.lm_head(z) if self.draft_vocab is None else self.draft_vocab.head(z)
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V_d] -> [..., V] for the sampler (−inf off the draft vocab)."""
+        return logits if self.draft_vocab is None else self.draft_vocab.to_base(logits)
+
     # -- training ----------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         """feats: frozen base features of input_ids [B, T]; returns draft logits for every training entry."""
@@ -116,14 +138,27 @@ class DraftVocab(nn.Module):
         if not 0 < size <= base.vocab_size:
             raise ValueError(f"draft_vocab_size must be in (0, {base.vocab_size}], got {size}")
         self.size, self.vocab_size = size, base.vocab_size
+        self._frozen = {"lm_head": base.lm_head}
         self.register_buffer("tokens", torch.arange(size, device=base.device))  # [size] base token ids, sorted
+        # The base lm_head's rows of the draft vocab as a frozen nn.Linear [size, H]: a module (so the sampler's
+        # measured CPU kernels apply to it) whose weight is a non-persistent buffer (nothing trained, nothing
+        # saved); rebuilt whenever `tokens` changes (set() or a checkpoint load).
+        self.head = nn.Linear(base.hidden_size, size, bias=False, device=base.device, dtype=base.dtype)
+        del self.head.weight
+        self.head.register_buffer("weight", self.rows(base.lm_head.weight.detach()), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_head())
 
     def set(self, tokens: torch.Tensor) -> None:
         self.tokens.copy_(tokens.sort().values)
+        self._refresh_head()
+
+    @torch.no_grad()
+    def _refresh_head(self) -> None:
+        self.head.weight.copy_(self.rows(self._frozen["lm_head"].weight.detach()))
 
     def rows(self, weight: torch.Tensor) -> torch.Tensor:
         """A full-vocab matrix [V, ...] -> its draft-vocab rows [size, ...]."""
-        return weight[self.tokens]
+        return weight[self.tokens.to(weight.device)]
 
     def to_base(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., size] -> [..., V] with −inf off the draft vocab."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.base import LAST, Base, Features
@@ -44,20 +43,15 @@ class Medusa(Drafter):
         self.head_names = [f"head{k}" for k in range(1, num_heads + 1)]
         self.max_depth = num_heads
 
-    def set_draft_vocab(self, tokens: torch.Tensor) -> None:
-        """Called by train() with the most frequent tokens of the data; own projections restart from the base's rows."""
-        self.draft_vocab.set(tokens)
-        for lm in self.lm_heads or []:
-            lm.weight.data.copy_(self.draft_vocab.rows(self.base.lm_head.weight.detach()))
+    def vocab_heads(self) -> list[nn.Linear]:
+        return list(self.lm_heads or [])
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> [..., K, V_d]: every head's logits (V_d = V unless a draft vocab is set)."""
         z = torch.stack([head(h) for head in self.heads], dim=-2)  # [..., K, H]
         if self.lm_heads is not None:
             return torch.stack([lm(z[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
-        if self.draft_vocab is None:
-            return self.base.lm_head(z)
-        return F.linear(z, self.draft_vocab.rows(self.base.lm_head.weight))  # frozen base rows [V_d, H]
+        return self.project(z)
 
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         return TrainOutput(logits=self.head_logits(feats.hidden[LAST]))  # [B, T, K, V]
@@ -70,7 +64,7 @@ class Medusa(Drafter):
         h = feats.hidden[LAST]  # [B, n, H]
         last = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
         logits = self.head_logits(last)  # [B, K, V_d]
-        state["logits"] = self.draft_vocab.to_base(logits) if self.draft_vocab is not None else logits  # [B, K, V]
+        state["logits"] = self.full_vocab(logits)  # [B, K, V]
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:

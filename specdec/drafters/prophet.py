@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
 POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
@@ -38,10 +38,11 @@ class Prophet(Drafter):
         unroll_steps: int = 4,
         feature_weight: float = 0.1,
         own_lm_head: bool = False,
+        draft_vocab_size: int | None = None,
     ):
         super().__init__(
             base, num_layers=num_layers, unroll_steps=unroll_steps, feature_weight=feature_weight,
-            own_lm_head=own_lm_head,
+            own_lm_head=own_lm_head, draft_vocab_size=draft_vocab_size,
         )
         h = base.hidden_size
         # Token embeddings are ~15x smaller than the normed features (SmolLM2: RMS 0.14 vs 2.2): normalise them
@@ -52,7 +53,8 @@ class Prophet(Drafter):
         layer_cls = type(base.layers[0])
         self.blocks = nn.ModuleList(layer_cls(base.config, layer_idx=i) for i in range(num_layers))
         self.norm = copy.deepcopy(base.norm).requires_grad_(True).train()  # trainable, starts as the base's final norm
-        self.lm_head = copy_lm_head(base) if own_lm_head else None
+        self.draft_vocab = DraftVocab(base, draft_vocab_size) if draft_vocab_size else None
+        self.lm_head = copy_lm_head(base, draft_vocab_size) if own_lm_head else None
         self._init_identity()
         self.to(device=base.device, dtype=base.dtype)
         self.unroll_steps = unroll_steps
@@ -82,10 +84,13 @@ class Prophet(Drafter):
         """[..., H] feature of position t (real or predicted) and [..., H] embedding of x_{t+1} -> [..., H]."""
         return self.fc(torch.cat([feature, self.emb_norm(token_emb)], dim=-1))
 
+    def vocab_heads(self) -> list[nn.Linear]:
+        return [self.lm_head] if self.lm_head is not None else []
+
     def readout(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block output [..., H] -> (predicted normed feature ĥ [..., H], logits [..., V])."""
+        """Block output [..., H] -> (predicted normed feature ĥ [..., H], logits [..., V_d])."""
         hat = self.norm(out)
-        return hat, (self.base.lm_head(hat) if self.lm_head is None else self.lm_head(hat))
+        return hat, self.project(hat, self.lm_head)
 
     def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Blocks over x [B, n, H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
@@ -181,7 +186,7 @@ class Prophet(Drafter):
         out = ctx.run_layers(self.blocks, self.step_input(feature, emb), STORE, POSITION_OFFSET)
         hat, logits = self.readout(out)  # [B, N, H], [B, N, V]
         state["hats"].put(hat, nodes)
-        return logits
+        return self.full_vocab(logits)  # [B, N, V]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
