@@ -166,3 +166,22 @@ def test_metrics_from_a_run(base, prompts):
     assert p["tau"] == pytest.approx(1 + sum(p["r"]))  # τ = 1 + Σ r_i
     assert p["alpha_i"][:2] == [1.0, 1.0] and p["accept_hist"].keys() <= {1, 2}
     assert len(r.step_verify_s) == len(r.step_draft_s) == len(r.step_overhead_s) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_finished_rows_leave_the_batch(base, temperature):
+    """Plain decoding drops finished rows from the batch; the rows that go on are unchanged (each equals itself
+    alone, with one generator per row), whichever rows finish first."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (4, 7, 2, 5, 6, 3, 8, 5)]
+    c = SamplerConfig(max_new_tokens=16, eos_token_id=[], temperature=temperature)
+    free = [generate(base, [p], None, c, [torch.Generator().manual_seed(b)]).tokens[0].tolist()
+            for b, p in enumerate(prompts)]
+    eos = sorted({row[k] for k, row in zip((1, 3, 5, 9), free)})  # tokens that end some rows early
+    c = SamplerConfig(max_new_tokens=16, eos_token_id=eos, temperature=temperature)
+    batch = generate(base, prompts, None, c, [torch.Generator().manual_seed(b) for b in range(len(prompts))])
+    lengths = set(batch.num_generated)
+    assert len(lengths) > 2  # rows really ended at different rounds
+    for b, p in enumerate(prompts):
+        alone = generate(base, [p], None, c, [torch.Generator().manual_seed(b)])
+        assert batch.tokens[b].tolist() == alone.tokens[0].tolist()

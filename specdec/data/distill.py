@@ -65,6 +65,10 @@ def distill(
     existing = _shards(out)
     done = set(load_distilled(out)["id"]) if existing else set()
     todo = [p for p in _prompt_rows(prompts, limit) if p[0] not in done]
+    rendered = {i: render_chat(base.tokenizer, m) for i, m in todo}
+    # Shards of similar prompt lengths: a batch pads to its longest prompt, so mixing lengths wastes prefill.
+    # Which prompts are answered does not change (the first `limit`), only the order they are answered in.
+    todo.sort(key=lambda p: len(rendered[p[0]]))
     run = (_ours if engine == "specdec" else _hf)(base, sampler, eos, seed)
     constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
     first = int(existing[-1].name) + 1 if existing else 0
@@ -73,8 +77,7 @@ def distill(
         for s, lo in enumerate(range(0, len(todo), shard_size), start=first):
             items = todo[lo : lo + shard_size]
             t0 = time.perf_counter()
-            responses = _generate_shard(run, [render_chat(base.tokenizer, m) for _, m in items], [i for i, _ in items],
-                                        batch_size, bar)
+            responses = _generate_shard(run, [rendered[i] for i, _ in items], [i for i, _ in items], batch_size, bar)
             seconds += time.perf_counter() - t0
             generated += sum(len(r) for r in responses)
             rows = [_row(base, i, m, r, eos) | constant for (i, m), r in zip(items, responses)]

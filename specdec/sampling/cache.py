@@ -67,6 +67,12 @@ class SlotCache(Cache):
             self.layers.append(SlotLayer(self))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows `index` [B'] of every layer."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+
     @torch.no_grad()
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src [B, k] to dst [B, k] in every layer (the accepted path -> contiguous slots).

@@ -113,6 +113,14 @@ class SamplingContext:
             src = verify_rel if name == "base" else draft_rel
             store.move(self.length[:, None] + src, dst)
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drop every row but those at batch positions `keep` [B'] from the lengths and every store."""
+        index = torch.tensor(keep, device=self.length.device)
+        self.length = self.length[index]
+        self.length_host = [self.length_host[i] for i in keep]
+        for store in self.stores.values():
+            store.keep_rows(index)
+
     def commit(self, n_new: torch.Tensor, n_new_host: list[int]) -> None:
         """Advance each row's committed length by n_new [B] (given on host too, to avoid a sync)."""
         self.length += n_new

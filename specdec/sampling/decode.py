@@ -83,6 +83,12 @@ class RowUniform:
     def __init__(self, generator: torch.Generator | list[torch.Generator] | None, batch: int, device: torch.device):
         self.generator, self.batch, self.device = generator, batch, device
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """Only the rows at batch positions `keep` go on (with one generator per row, each keeps its own)."""
+        if isinstance(self.generator, list):
+            self.generator = [self.generator[i] for i in keep]
+        self.batch = len(keep)
+
     def __call__(self) -> torch.Tensor:
         if isinstance(self.generator, list):
             return torch.cat([torch.rand(1, generator=g, device=self.device) for g in self.generator])
@@ -213,6 +219,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
 
     for row, t in enumerate(root.tolist()):
         emit(row, [t])
+    rows = list(range(b))  # batch position -> prompt row (plain decoding drops finished rows from the batch)
     t_first = _now(dev)
     result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
 
@@ -239,13 +246,13 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                            best[:, None])  # ancestors sorted by depth, then `best` again as padding
         path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
         n_acc_host, block = n_acc.tolist(), torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist()
-        active = [not d for d in done]
-        for row in range(b):
-            if active[row]:
-                accepted[row].append(n_acc_host[row])
+        active = [not done[row] for row in rows]
+        for i, row in enumerate(rows):
+            if active[i]:
+                accepted[row].append(n_acc_host[i])
                 drafted[row].append(rnd.size - 1)
-                emit(row, block[row][: n_acc_host[row]] + [block[row][-1]])
-        n_new_host = [0 if d else k + 1 for k, d in zip(n_acc_host, done)]  # finished rows stay put
+                emit(row, block[i][: n_acc_host[i]] + [block[i][-1]])
+        n_new_host = [0 if done[row] else k + 1 for k, row in zip(n_acc_host, rows)]  # finished rows stay put
         t3 = _now(dev)
         if drafter is not None:
             n = max(n_acc_host) + 1
@@ -258,6 +265,15 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                 -1, -1, logits.shape[-1]))), path_tokens[:, :n], n_acc + 1, bonus)
         ctx.commit(torch.tensor(n_new_host, device=dev), n_new_host)
         root = bonus
+        keep = [i for i, row in enumerate(rows) if not done[row]]
+        if drafter is None and keep and len(keep) <= len(rows) * 3 // 4:
+            # Finished rows leave the batch once a quarter of it is done, so later steps multiply fewer rows
+            # (batched distillation: answers end at very different lengths). A drafter's per-row state would
+            # need the same selection, so only plain decoding does it.
+            rows = [rows[i] for i in keep]
+            root = root[torch.tensor(keep, device=dev)]
+            ctx.keep_rows(keep)
+            uniform.keep_rows(keep)
         t4 = _now(dev)
         result.step_draft_s.append((t1 - t0) + (t4 - t3))
         result.step_verify_s.append(t2 - t1)
