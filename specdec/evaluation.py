@@ -22,6 +22,7 @@ from specdec.base import Base
 from specdec.checkpoint import load_drafter, read_meta, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.drafter import Drafter
+from specdec.sampling.cost import forward_costs, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.metrics import prompt_metrics
 
@@ -74,13 +75,19 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         for m in methods:
             m.run([first] * m.batch)
 
+    # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8).
+    gammas = sorted({m.chain_gamma for m in methods if m.chain_gamma})
+    prompt_len = len(render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}]))
+    costs = forward_costs(base, [1] + [g + 1 for g in gammas], prompt_len=prompt_len,
+                          cpu_kernels=sampler.cpu_kernels) if gammas else {}
+
     runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns
     for m in methods:
         for start in tqdm(range(0, len(items), m.batch), desc=m.name, unit="prompt", leave=False):
             chunk = items[start : start + m.batch]
             runs[m.name].extend(_answer_turn_by_turn(base, m, chunk))
 
-    report = _tabulate(cfg, base, items, methods, runs, sampler, metas)
+    report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs)
     report["config"] = config
     _write(out_dir, cfg, report, methods)
     return report
@@ -155,7 +162,7 @@ def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[
 
 
 # -- report ----------------------------------------------------------------------------------------
-def _tabulate(cfg, base, items, methods, runs, sampler, metas) -> dict[str, Any]:
+def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, float]) -> dict[str, Any]:
     categories = sorted({it["category"] for it in items})
     ar_runs = runs[AR]
 
@@ -203,15 +210,18 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas) -> dict[str, Any]
             "per_category_speedup": {c: mean_tok_s(m.name, idx) / mean_tok_s(AR, idx) for c, idx in by_cat.items()},
             "per_prompt": per_prompt,
         }
-        if m.chain_gamma and accepted:  # Leviathan et al.: τ and walltime from α, with the measured cost ratio c
+        if m.chain_gamma and accepted:  # Leviathan et al. with the measured verify cost (SPEC.md §8)
             g = m.chain_gamma
             rounds = sum(r.rounds for r in flat)
-            t_draft_tok = sum(r.t_draft_s for r in flat) / max(rounds, 1) / g
-            c = t_draft_tok * ar_mean  # T_draft_step / T_base_step, with T_base_step = 1 / (AR tok/s)
+            t1 = costs[1]  # one base forward over one token, measured in this run
+            c = sum(r.t_draft_s for r in flat) / max(rounds, 1) / g / t1  # draft cost per depth, in T_1
+            v = costs[g + 1] / t1  # verify of γ+1 tokens, in T_1
+            tau_pred = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0
             row["leviathan"] = {
-                "gamma": g, "c": c, "measured_tau": row["tau"],
-                "predicted_tau": (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0,
-                "predicted_speedup": ((1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0) / (g * c + 1),
+                "gamma": g, "c": c, "verify_cost": v, "measured_tau": row["tau"], "predicted_tau": tau_pred,
+                "predicted_speedup": predicted_speedup(tau_pred, g, c, v),
+                "predicted_speedup_unit_verify": tau_pred / (g * c + 1),  # the paper's model: verify = 1 step
+                "break_even_tau": v + g * c,
                 "measured_speedup": row["speedup_vs_ar"],
             }
         rows.append(row)
@@ -244,13 +254,18 @@ def render_markdown(report: dict, config_yaml: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lev = [r for r in report["rows"] if "leviathan" in r]
     if lev:
-        lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α); speedup = τ/(γc + 1)", "",
-                  "| method | γ | α | τ measured | τ predicted | c | speedup measured | speedup predicted |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α); speedup = τ/(v(γ+1) + γc), with the "
+                  "verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per depth / T_1 measured in this run "
+                  "(τ/(γc + 1) assumes v = 1)", "",
+                  "| method | γ | α | τ measured | τ predicted | c | v(γ+1) | break-even τ | speedup measured | "
+                  "speedup predicted | τ/(γc + 1) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lev:
             v = r["leviathan"]
             lines.append(f"| {r['method']} | {v['gamma']} | {_f(r['alpha'])} | {_f(v['measured_tau'])} | "
-                         f"{_f(v['predicted_tau'])} | {_f(v['c'])} | {_f(v['measured_speedup'])}× | {_f(v['predicted_speedup'])}× |")
+                         f"{_f(v['predicted_tau'])} | {_f(v['c'])} | {_f(v['verify_cost'])} | {_f(v['break_even_tau'])} | "
+                         f"{_f(v['measured_speedup'])}× | {_f(v['predicted_speedup'])}× | "
+                         f"{_f(v['predicted_speedup_unit_verify'])}× |")
     lines += ["", "τ: mean emitted tokens per base forward (bonus included); α: accepted / drafted tokens; "
               "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run. HF peers report no τ/α."]
     return "\n".join(lines) + "\n"

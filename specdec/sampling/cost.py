@@ -1,0 +1,59 @@
+"""The verify-cost curve (SPEC.md §8): how long one base forward over n query tokens takes, relative to n = 1,
+measured on the machine that runs it. A chain of γ pays v(γ+1) per round instead of 1, so the curve (not
+"one verify = one base step") is what predicts a speedup: speedup = τ / (v(γ+1) + γ·c)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+
+from specdec.base import Base
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.kernels import measured_kernels
+
+
+@torch.no_grad()
+def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
+                  cpu_kernels: str = "measured") -> dict[int, float]:
+    """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
+    included, exactly as the sampler runs it) for each n in `ns`; rounds of all n are interleaved so drift on a
+    noisy machine hits every n alike."""
+    dev = base.device
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
+    fast = cpu_kernels == "measured" and dev.type == "cpu"
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    with measured_kernels(base) if fast else nullcontext():
+        ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1)
+        ctx.commit_layout(prompt_len)
+        ctx.base_forward(prompt)
+        ctx.commit(torch.tensor([prompt_len], device=dev), [prompt_len])
+        for rep in range(reps + 1):  # the first pass warms up and is not kept
+            for n in ns:
+                tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
+                ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+                t0 = _now(dev)
+                hidden, _ = ctx.base_forward(tokens)
+                base.lm_head(hidden)
+                if rep:
+                    times[n].append(_now(dev) - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def verify_curve(costs: dict[int, float]) -> dict[int, float]:
+    """v(n) = T_n / T_1."""
+    return {n: t / costs[1] for n, t in costs.items()}
+
+
+def predicted_speedup(tau: float, gamma: int, c: float, v: float) -> float:
+    """Chain of γ: τ emitted per round that costs v(γ+1) + γ·c AR steps (c = draft cost per depth / T_1)."""
+    return tau / (v + gamma * c)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
