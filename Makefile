@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup demo test bench distill tables clean
+.PHONY: setup demo test bench distill features tables clean
 
 setup: $(STAMP)
 
@@ -29,10 +29,13 @@ demo: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
 	    sampler.max_new_tokens=64 hydra.run.dir=$$run/eval
 
-# Self-distilled data for the embedded default: SmolLM2's own answers to stdlib_tasks prompts, then one base pass
-# that caches its features (resumable; rerun to continue). Train from it: python train.py data=cached drafter=medusa
+# The shipped self-distilled text (specdec/data/shipped/): SmolLM2's own greedy answers to stdlib_tasks prompts,
+# regenerated (resumable: rerun to continue) and written with its manifest. Nobody needs to run this to train.
 distill: setup
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill ship_to=specdec/data/shipped/stdlib_tasks.jsonl.gz
+
+# The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
+features: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
 
 # The five paper tables on the embedded default, one after another (each: python experiments/<table>.py).

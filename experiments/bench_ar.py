@@ -1,15 +1,19 @@
-"""Plain autoregressive decoding: our sampler loop (no drafter) vs HF `generate`, same run, same prompts.
+"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels and
+PyTorch's stock ones) vs HF `generate`; the verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's
+time goes (GEMM vs everything else); and the memory-bandwidth bound on AR decoding.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_ar.py            # what `make bench` runs
-    .venv/bin/python experiments/bench_ar.py --prompts 3 --max-new-tokens 32   # quick look
+    .venv/bin/python experiments/bench_ar.py --prompts 2 --max-new-tokens 32   # quick look (< 5 min)
 
 SmolLM2-135M (fp32, sdpa), HumanEval prompts rendered with the base's chat template, T = 0, batch 1. Each
 prompt is decoded by every method (order rotating), after one warm-up of each that is not timed; the
-speedup is mean tok/s ours / mean tok/s HF (SPEC.md §4) and the pooled ratio Σtok/Σt."""
+speedup is mean tok/s ours / mean tok/s HF (SPEC.md §4) and the pooled ratio Σtok/Σt. Writes
+experiments/results/bench/bench.{json,md,png}."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -21,7 +25,12 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.sampling.context import SamplingContext  # noqa: E402
+from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
+from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
+
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
 def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured") -> tuple[int, float]:
@@ -37,19 +46,72 @@ def run_hf(base, prompt: list[int], max_new: int) -> tuple[int, float]:
     return out.shape[1] - ids.shape[1], time.perf_counter() - t0
 
 
+def read_bandwidth(gib: float = 0.5, reps: int = 5) -> float:
+    """Bytes/s of a streaming read of a buffer far larger than the caches, on all threads (filled first, so the
+    pages are real memory and not the shared zero page)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+@torch.no_grad()
+def step_split(base, prompt: list[int], steps: int = 10) -> dict[str, float]:
+    """Milliseconds per AR step (one token through the base + lm_head, measured kernels) in GEMM ops vs the rest,
+    from torch.profiler's self CPU time."""
+    from torch.profiler import profile
+
+    with measured_kernels(base):
+        ctx = SamplingContext(base, 1, len(prompt) + steps + 8)
+        ctx.commit_layout(len(prompt))
+        ctx.base_forward(torch.tensor([prompt]))
+        ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
+        tok = torch.tensor([[prompt[-1]]])
+
+        def step():
+            ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
+            hidden, _ = ctx.base_forward(tok)
+            base.lm_head(hidden)
+
+        for _ in range(3):
+            step()
+        with profile() as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / steps / 1e3
+    return {"step_ms_profiled": round(wall * 1e3, 2), "gemm_ms": round(gemm, 2), "other_ms": round(total - gemm, 2),
+            "gemm_share": round(gemm / total, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-n", type=int, default=32, help="verify-cost curve for n = 1..max_n")
+    ap.add_argument("--out", default="experiments/results/bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_base(dtype="float32", device="cpu")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts)]
+    command = (f"OMP_NUM_THREADS={args.threads} .venv/bin/python experiments/bench_ar.py --prompts {args.prompts} "
+               f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}")
 
-    # Same greedy tokens from both (a correctness check that costs nothing here).
+    # Same greedy tokens from every path (a correctness check that costs nothing here).
+    t0 = time.perf_counter()
     ours_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[])).tokens[0]
+    kernel_setup_s = time.perf_counter() - t0  # includes measuring the kernels on a machine seen for the first time
+    stock_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
+                                                                  cpu_kernels="stock")).tokens[0]
     hf_toks = base.model.generate(torch.tensor([prompts[0]]), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
@@ -66,17 +128,87 @@ def main() -> None:
 
     (ours_mean, ours_pool), (hf_mean, hf_pool) = stats(rows["ours"]), stats(rows["hf"])
     stock_mean, stock_pool = stats(rows["ours_stock"])
-    print(f"device cpu ({platform.processor() or platform.machine()}), fp32, threads {torch.get_num_threads()}, "
-          f"batch 1, T=0, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"base {base.name}, {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens")
-    print(f"greedy tokens identical (16 tokens, prompt 0): {ours_toks.tolist() == hf_toks.tolist()}\n")
-    print("| method | tok/s (mean over prompts) | tok/s (pooled) | speedup vs HF generate |")
-    print("|---|---|---|---|")
-    print(f"| AR, our sampler | {ours_mean:.1f} | {ours_pool:.1f} | {ours_mean / hf_mean:.2f}x (pooled {ours_pool / hf_pool:.2f}x) |")
-    print(f"| AR, our sampler, cpu_kernels=stock | {stock_mean:.1f} | {stock_pool:.1f} | {stock_mean / hf_mean:.2f}x (pooled {stock_pool / hf_pool:.2f}x) |")
-    print(f"| AR, HF generate | {hf_mean:.1f} | {hf_pool:.1f} | 1.00x |")
-    print(f"\ncommand: OMP_NUM_THREADS={args.threads} .venv/bin/python experiments/bench_ar.py "
-          f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --threads {args.threads}")
+
+    ns = list(range(1, args.max_n + 1))
+    costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
+    stock_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), cpu_kernels="stock")
+    curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
+    split = step_split(base, prompts[0])
+    bandwidth = read_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
+    bound = bandwidth / weight_bytes
+
+    report = {
+        "cpu": machine_key(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "base": base.name, "dtype": "float32",
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.tolist(),
+                             "stock": stock_toks.tolist() == hf_toks.tolist()},
+        "ar_tok_s": round(ours_mean, 2), "ar_stock_tok_s": round(stock_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
+        "ar_pooled_tok_s": round(ours_pool, 2), "hf_generate_pooled_tok_s": round(hf_pool, 2),
+        "ar_vs_hf_generate": round(ours_mean / hf_mean, 3),
+        "t1_ms": round(costs[1] * 1e3, 2), "t1_stock_ms": round(stock_costs[1] * 1e3, 2),
+        "verify_cost": {n: round(v, 3) for n, v in curve.items()},
+        "verify_cost_stock": {n: round(v, 3) for n, v in stock_curve.items()},
+        "step_split": split,
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
+        "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
+        "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
+        "kernel_choice": default_table().choice,
+        "command": command,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    md = render(report)
+    (out / "bench.md").write_text(md)
+    plot(report, out / "bench.png")
+    print(md)
+
+
+def render(r: dict) -> str:
+    lines = [f"# Cost model: {r['base']} ({r['dtype']}), {r['cpu']}", "", f"`{r['command']}`", "",
+             f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
+             f"transformers {r['transformers']}. Greedy tokens identical to HF generate: "
+             f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}.", "",
+             "| method | tok/s (mean over prompts) | vs HF generate |", "|---|---|---|",
+             f"| AR, our sampler (measured kernels) | {r['ar_tok_s']:.1f} | {r['ar_vs_hf_generate']:.2f}× |",
+             f"| AR, our sampler, cpu_kernels=stock | {r['ar_stock_tok_s']:.1f} | "
+             f"{r['ar_stock_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
+             f"| AR, HF generate | {r['hf_generate_tok_s']:.1f} | 1.00× |", "",
+             f"Bandwidth bound: {r['read_bandwidth_gb_s']:.1f} GB/s streaming read / {r['weight_bytes'] / 1e6:.0f} MB of "
+             f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it.",
+             "", f"One AR step (profiled, measured kernels): {r['step_split']['step_ms_profiled']:.1f} ms; GEMM "
+             f"{r['step_split']['gemm_ms']:.1f} ms ({r['step_split']['gemm_share']:.0%}), everything else "
+             f"{r['step_split']['other_ms']:.1f} ms.", "",
+             f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels, {r['t1_stock_ms']:.1f} ms "
+             "stock; one base forward over n chain tokens, lm_head included):", "",
+             "| n | " + " | ".join(str(n) for n in r["verify_cost"]) + " |",
+             "|---" * (len(r["verify_cost"]) + 1) + "|",
+             "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
+             "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |", "",
+             f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine); "
+             f"first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [int(n) for n in r["verify_cost"]]
+    ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"measured kernels (T_1 {r['t1_ms']:.1f} ms)")
+    ax.plot(ns, list(r["verify_cost_stock"].values()), "s--", label=f"stock (T_1 {r['t1_stock_ms']:.1f} ms)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0]}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

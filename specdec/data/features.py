@@ -153,6 +153,8 @@ def main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=False))
     base: Base = hydra.utils.instantiate(cfg.base)
     datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+    if hasattr(datamodule, "check"):  # e.g. distilled text of another base: refused before the base runs
+        datamodule.check(base)
     cache_features(datamodule, base, cfg.out_dir, layers=tuple(cfg.layers), topk=cfg.topk, dtype=cfg.dtype,
                    shard_blocks=cfg.shard_blocks, batch_size=cfg.batch_size)
 
