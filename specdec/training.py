@@ -68,6 +68,7 @@ class DraftTrainer(L.LightningModule):
         self.val_top1 = torch.nn.ModuleList(MeanMetric() for _ in range(k))
         self.val_accept = torch.nn.ModuleList(MeanMetric() for _ in range(k))
         self._step_start: float | None = None
+        self._batch_tokens = 0  # tokens of one training batch on this rank (set by the first training step)
 
     @property
     def base(self) -> Base:
@@ -174,6 +175,7 @@ class DraftTrainer(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._step(batch, "train")
+        self._batch_tokens = batch["input_ids"].numel()
         now = time.perf_counter()
         if self._step_start is not None:  # tokens/s of the previous full step (forward, backward, optimizer)
             self.log("train/tokens_per_s", batch["input_ids"].numel() / (now - self._step_start), prog_bar=True)
@@ -185,6 +187,11 @@ class DraftTrainer(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         accept = torch.stack([m.compute() for m in self.val_accept])  # [K]
+        top1 = torch.stack([m.compute() for m in self.val_top1])  # [K]
+        # the greedy analogue of expected_tau (T = 0 accepts a draft token iff it is the base's argmax)
+        self.log("val/expected_tau_greedy", self.drafter.expected_tau(top1))
+        # training tokens seen so far: the x axis of a learning curve
+        self.log("val/train_tokens", float(self.global_step * self._batch_tokens * self.trainer.world_size))
         for j, name in enumerate(self.drafter.head_names):
             self.log(f"val/{name}_top1", self.val_top1[j].compute())
             self.log(f"val/{name}_accept", accept[j])
@@ -196,7 +203,7 @@ class DraftTrainer(L.LightningModule):
     def val_metric_names(self) -> list[str]:
         """Every validation metric this module logs (what a sweeper may optimise)."""
         per_entry = [f"val/{n}_{m}" for n in self.drafter.head_names for m in ("kl", "top1", "accept")]
-        return ["val/loss", "val/expected_tau", *per_entry, *(f"val/{n}" for n in self.drafter.aux_metric_names)]
+        return ["val/loss", "val/expected_tau", "val/expected_tau_greedy", "val/train_tokens", *per_entry, *(f"val/{n}" for n in self.drafter.aux_metric_names)]
 
     def configure_optimizers(self):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
