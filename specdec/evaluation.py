@@ -7,8 +7,9 @@ import json
 import math
 import os
 import platform
+import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdec.base import Base
-from specdec.checkpoint import load_drafter, read_meta, write_text
+from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.cost import forward_costs, predicted_speedup
@@ -70,9 +71,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     items: list[dict] = hydra.utils.instantiate(cfg.prompts)
     methods = _methods(cfg, base, drafters, sampler)
 
+    # Each method's runs are kept as soon as it finishes: a killed evaluation rerun into the same dir resumes
+    # after the last finished method and runs none of them again.
+    runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns
+    resumed = [] if cfg.overwrite else [m.name for m in methods if _load_method(out_dir, m.name, config, runs)]
+    if resumed:
+        print(f"[specdec] resuming {out_dir}: {', '.join(resumed)} finished earlier, not run again")
+    todo = [m for m in methods if m.name not in resumed]
+
     if cfg.warmup:  # compile, allocator and cache warm-up stay out of the timings
         first = render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
-        for m in methods:
+        for m in todo:
             m.run([first] * m.batch)
 
     # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8).
@@ -81,14 +90,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     costs = forward_costs(base, [1] + [g + 1 for g in gammas], prompt_len=prompt_len,
                           cpu_kernels=sampler.cpu_kernels) if gammas else {}
 
-    runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns
-    for m in methods:
+    for m in todo:
         for start in tqdm(range(0, len(items), m.batch), desc=m.name, unit="prompt", leave=False):
             chunk = items[start : start + m.batch]
             runs[m.name].extend(_answer_turn_by_turn(base, m, chunk))
+        _save_method(out_dir, m.name, config, runs[m.name])
 
     report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs)
     report["config"] = config
+    report["header"]["resumed"] = resumed  # timed in an earlier process: their ratios cross two runs
     _write(out_dir, cfg, report, methods)
     return report
 
@@ -363,6 +373,33 @@ def _drafter_names(paths: list[str]) -> dict[str, str]:
     return names
 
 
+def _method_path(out_dir: Path, name: str) -> Path:
+    return out_dir / "methods" / (re.sub(r"[^\w.-]+", "_", name) + ".json")
+
+
+def _same(config: dict) -> dict:
+    """The parts of an evaluation config that decide its numbers."""
+    return {k: v for k, v in config.items() if k not in ("overwrite", "wandb", "tags")}
+
+
+def _save_method(out_dir: Path, name: str, config: dict, runs: list[list[Run]]) -> None:
+    _method_path(out_dir, name).parent.mkdir(parents=True, exist_ok=True)
+    write_json(_method_path(out_dir, name), {"config": _same(config),
+                                             "runs": [[asdict(r) for r in turns] for turns in runs]})
+
+
+def _load_method(out_dir: Path, name: str, config: dict, runs: dict[str, list[list[Run]]]) -> bool:
+    """Fill runs[name] from an earlier, interrupted evaluation of the same config; False if there is none."""
+    path = _method_path(out_dir, name)
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text())
+    if saved["config"] != _same(config):
+        return False
+    runs[name] = [[Run(**r) for r in turns] for turns in saved["runs"]]
+    return True
+
+
 def _earlier_report(out_dir: Path, config: dict, overwrite: bool) -> dict | None:
     """A run dir with a report is never overwritten silently: the same config returns the earlier report (a rerun
     of a table re-measures nothing), another config is refused unless overwrite=true."""
@@ -370,8 +407,7 @@ def _earlier_report(out_dir: Path, config: dict, overwrite: bool) -> dict | None
     if overwrite or not path.exists():
         return None
     report = json.loads(path.read_text())
-    same = lambda c: {k: v for k, v in c.items() if k not in ("overwrite", "wandb", "tags")}  # noqa: E731
-    if same(report.get("config", {})) == same(config):
+    if _same(report.get("config", {})) == _same(config):
         print(f"[specdec] {out_dir} already holds this evaluation; its report is returned (overwrite=true re-measures)")
         return report
     raise FileExistsError(f"{out_dir} already holds a report of another config; pick another hydra.run.dir or set "

@@ -67,3 +67,32 @@ def test_refuses_drafter_of_another_base(tmp_path, questions):
     cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/other]", "peers=[]"])
     with pytest.raises(BaseMismatchError):
         evaluate(cfg)
+
+
+def test_a_killed_evaluation_resumes_after_its_finished_methods(tmp_path, questions, monkeypatch):
+    import specdec.evaluation as ev
+
+    tiny = tiny_base()
+    save_drafter(Medusa(tiny, num_heads=2), tmp_path / "medusa")
+    cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
+                          "peers=[hf_generate]", "sampler.gamma=2", "sampler.eos_token_id=[]", "warmup=false"])
+    real = ev._answer_turn_by_turn
+
+    def dies_on_hf(base, m, chunk):  # the process is killed while the third method runs
+        if m.name == "hf_generate":
+            raise KeyboardInterrupt
+        return real(base, m, chunk)
+
+    monkeypatch.setattr(ev, "_answer_turn_by_turn", dies_on_hf)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg)
+    saved = sorted(p.name for p in (tmp_path / "eval" / "methods").iterdir())
+    assert saved == ["ar_ours_.json", "medusa.json"] and not (tmp_path / "eval" / "results.json").exists()
+
+    ran = []
+    monkeypatch.setattr(ev, "_answer_turn_by_turn", lambda base, m, chunk: ran.append(m.name) or real(base, m, chunk))
+    report = evaluate(cfg)
+    assert set(ran) == {"hf_generate"}  # the finished methods were read back, not run again
+    assert report["header"]["resumed"] == ["ar (ours)", "medusa"]
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["medusa"]["greedy_identical"] and rows["hf_generate"]["greedy_identical"]
