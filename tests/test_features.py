@@ -163,3 +163,11 @@ def test_features_command_on_the_tiny_base(corpus, tmp_path):
     cached.setup()
     batch = next(iter(cached.train_dataloader()))
     assert batch["hidden"][-1].dtype == torch.float16 and batch["top_idx"].shape[-1] == 8
+
+
+def test_a_quick_cache_keeps_the_first_training_blocks(corpus, tiny, tmp_path):
+    dm = text_blocks(corpus, tiny)
+    meta = cache_features(dm, tiny, str(tmp_path / "quick"), topk=8, max_train_blocks=2)
+    assert meta["blocks"]["train"] == 2 and meta["blocks"]["val"] == len(dm.blocks["val"])
+    ids = np.load(tmp_path / "quick" / "train" / "00000" / "input_ids.npy")
+    assert np.array_equal(ids, np.asarray(dm.blocks["train"][:2]["input_ids"]))

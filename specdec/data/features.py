@@ -45,6 +45,7 @@ def cache_features(
     dtype: str = "float16",
     shard_blocks: int = 256,
     batch_size: int = 8,
+    max_train_blocks: int | None = None,
 ) -> dict:
     """Cache features of every train/val block of `datamodule` (a TextDataModule) under `out_dir`. Resumable:
     complete shards are kept and a rerun computes only the missing ones; a rerun with other settings, another
@@ -54,6 +55,8 @@ def cache_features(
     topk = min(topk, base.vocab_size)
     datamodule.setup()
     splits = {name: torch.as_tensor(datamodule.blocks[name][:]["input_ids"]) for name in ("train", "val")}  # [N, T]
+    if max_train_blocks is not None:  # a quick cache (the demo): the first blocks of the shuffled training split
+        splits["train"] = splits["train"][:max_train_blocks]
     meta = {
         "layers": [int(l) for l in layers],
         "topk": topk,
@@ -156,7 +159,7 @@ def main(cfg: DictConfig) -> None:
     if hasattr(datamodule, "check"):  # e.g. distilled text of another base: refused before the base runs
         datamodule.check(base)
     cache_features(datamodule, base, cfg.out_dir, layers=tuple(cfg.layers), topk=cfg.topk, dtype=cfg.dtype,
-                   shard_blocks=cfg.shard_blocks, batch_size=cfg.batch_size)
+                   shard_blocks=cfg.shard_blocks, batch_size=cfg.batch_size, max_train_blocks=cfg.max_train_blocks)
 
 
 if __name__ == "__main__":
