@@ -25,6 +25,7 @@ from specdec.data.prompts import render_chat
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.cost import forward_costs, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import cpu_model
 from specdec.sampling.metrics import prompt_metrics
 
 AR = "ar (ours)"
@@ -423,7 +424,7 @@ def _sync_time(device: torch.device) -> float:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"cpu ({cpu_model()}, {platform.machine()}, {os.cpu_count()} cores)"
 
 
 def _draft_desc(s: SamplerConfig) -> str:

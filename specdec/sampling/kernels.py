@@ -76,17 +76,20 @@ CANDIDATES: dict[str, Candidate] = {
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
 
-def machine_key() -> str:
-    """What a kernel choice depends on: the CPU model, the thread count, the torch build."""
-    model = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (what `lscpu` calls it), e.g. "AMD EPYC"; the architecture when unknown."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} | threads {torch.get_num_threads()} | torch {torch.__version__}"
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> str:
+    """What a kernel choice depends on: the CPU model, the thread count, the torch build."""
+    return f"{cpu_model()} | threads {torch.get_num_threads()} | torch {torch.__version__}"
 
 
 class KernelTable:

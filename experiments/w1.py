@@ -1,0 +1,68 @@
+"""W1: every drafter on HumanEval and on a non-code question.jsonl, chain γ=4 and dynamic tree, with the peers.
+Runs the evaluations (each resumable: a killed run continues after its finished methods) and collects them into
+experiments/results/w1/w1.{csv,md}.
+
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py logs/recipe/prophet/drafter [more drafter dirs] \\
+        [--prompts 10] [--max-new-tokens 128]"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = {"humaneval": [], "question": ["prompts=jsonl", f"prompts.path={ROOT}/experiments/prompts/question.jsonl"]}
+TREES = {"chain": ["sampler=chain", "sampler.gamma=4"], "dynamic": ["sampler=dynamic_tree"]}
+COLUMNS = ["method", "prompts", "tree", "tau", "alpha", "tok_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical",
+           "break_even_tau", "predicted_speedup"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("drafters", nargs="+")
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--logs", default="logs/w1")
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/w1")
+    args = ap.parse_args()
+    rows, header = [], None
+    for prompts, p_over in SETS.items():
+        for tree, t_over in TREES.items():
+            run = Path(args.logs) / f"{prompts}_{tree}"
+            peers = "[hf_generate,hf_prompt_lookup]" if tree == "chain" else "[]"  # peers have no trees
+            cmd = [sys.executable, str(ROOT / "evaluate.py"), f"drafters=[{','.join(args.drafters)}]",
+                   f"prompts.limit={args.prompts}", f"sampler.max_new_tokens={args.max_new_tokens}",
+                   f"peers={peers}", f"hydra.run.dir={run}", *p_over, *t_over]
+            print("+", " ".join(cmd[1:]), flush=True)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            report = json.loads((run / "results.json").read_text())
+            header = header or report["header"]
+            for r in report["rows"]:
+                lev = r.get("leviathan", {})
+                rows.append({"method": r["method"], "prompts": prompts, "tree": tree, "tau": r["tau"],
+                             "alpha": r["alpha"], "tok_s": r["tok_per_s"], "speedup_vs_ar": r["speedup_vs_ar"],
+                             "speedup_vs_hf": r["speedup_vs_hf"], "greedy_identical": r["greedy_identical"],
+                             "break_even_tau": lev.get("break_even_tau"), "predicted_speedup": lev.get("predicted_speedup")})
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "w1.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+    command = (f"OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py {' '.join(args.drafters)} "
+               f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}")
+    md = [f"# W1: drafters on HumanEval and question.jsonl", "", f"`{command}`", "",
+          f"{header['device']}, {header['dtype']}, {header['threads']} threads, T = {header['temperature']}, "
+          f"{args.prompts} prompts per set, {args.max_new_tokens} new tokens, batch 1, torch {header['torch']}.", "",
+          "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    md += ["| " + " | ".join("—" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
+                             for c in COLUMNS) + " |" for r in rows]
+    (args.out / "w1.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
