@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (EAGLE-3 style) on Medusa: the projection covers only the chosen tokens, the sampler
+"""Reduced draft vocabulary (EAGLE-3 style) for every family: the projection covers only the chosen tokens, the sampler
 stays lossless, train() picks the most frequent tokens of the data, and the checkpoint keeps them."""
 
 import pytest
@@ -97,9 +97,13 @@ def test_cross_entropy_on_data_tokens_skips_tokens_outside_the_draft_vocab(tiny)
 
 # -- every family with a draft vocab: the same contract ------------------------------------------------------------
 def _families():
+    from specdec.drafters.early_exit import EarlyExit
+    from specdec.drafters.hydra import Hydra
     from specdec.drafters.prophet import Prophet
     return {"medusa": lambda b, **kw: Medusa(b, num_heads=3, **kw),
-            "prophet": lambda b, **kw: Prophet(b, unroll_steps=3, **kw)}
+            "hydra": lambda b, **kw: Hydra(b, num_heads=3, **kw),
+            "prophet": lambda b, **kw: Prophet(b, unroll_steps=3, **kw),
+            "early_exit": lambda b, **kw: EarlyExit(b, exit_layers=[1], num_extra_layers=1, **kw)}
 
 
 @pytest.mark.parametrize("family", list(_families()))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specdec.base import Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput, copy_lm_head
 
 STORE = "early_exit"  # the private KV cache of the extra blocks (layers 0..L-1 use the base's own cache)
 
@@ -39,7 +39,8 @@ def run_causal(base: Base, layers: Sequence[nn.Module], h: torch.Tensor) -> torc
 class ExitHead(nn.Module):
     """What sits on top of one exit layer L: extra decoder blocks -> norm -> vocab projection."""
 
-    def __init__(self, base: Base, exit_layer: int, num_extra_layers: int, extra_init: str, own_lm_head: bool):
+    def __init__(self, base: Base, exit_layer: int, num_extra_layers: int, extra_init: str, own_lm_head: bool,
+                 draft_vocab_size: int | None = None):
         super().__init__()
         # The base's own decoder-layer class built from the base config. layer_idx keys each block's slot in
         # the drafter-private cache, so the blocks of one head get distinct indices 0..n-1.
@@ -58,7 +59,7 @@ class ExitHead(nn.Module):
         # Starts as the base's final norm; train() because the copy inherits the frozen base's eval mode.
         self.norm = copy.deepcopy(base.norm).train().requires_grad_(True)
         # Own projection: a trainable copy of the base lm_head; otherwise the base's is used, frozen and unregistered.
-        self.lm_head = copy_lm_head(base) if own_lm_head else None
+        self.lm_head = copy_lm_head(base, draft_vocab_size) if own_lm_head else None
 
 
 class EarlyExit(Drafter):
@@ -73,11 +74,12 @@ class EarlyExit(Drafter):
         extra_init: str = "fresh",
         own_lm_head: bool = False,
         gamma: int = 4,
+        draft_vocab_size: int | None = None,
     ):
         exit_layers = [int(l) for l in exit_layers]  # plain ints: hparams go to the checkpoint json
         super().__init__(
             base, exit_layers=exit_layers, num_extra_layers=num_extra_layers, extra_init=extra_init,
-            own_lm_head=own_lm_head, gamma=gamma,
+            own_lm_head=own_lm_head, gamma=gamma, draft_vocab_size=draft_vocab_size,
         )
         n = base.num_layers
         if not exit_layers or any(not 0 <= l <= n for l in exit_layers):
@@ -92,8 +94,9 @@ class EarlyExit(Drafter):
             raise ValueError(f"an exit at the last layer ({n}) takes no extra blocks")
         self.exit_layers = exit_layers
         self.gamma = gamma
+        self.draft_vocab = DraftVocab(base, draft_vocab_size) if draft_vocab_size else None  # shared by every exit
         self.exits = nn.ModuleList(
-            ExitHead(base, l, num_extra_layers, extra_init, own_lm_head) for l in exit_layers
+            ExitHead(base, l, num_extra_layers, extra_init, own_lm_head, draft_vocab_size) for l in exit_layers
         )
         # Features.hidden[n] is HF's last hidden state, already normed; an exit at n reads layer n-1 instead
         # and runs the base's last block itself (see `exit_hidden`).
@@ -102,11 +105,13 @@ class EarlyExit(Drafter):
         self.head_names = [f"exit{l}" for l in exit_layers]
 
     # -- shared by training and sampling -----------------------------------------------------
+    def vocab_heads(self) -> list[nn.Linear]:
+        return [e.lm_head for e in self.exits if e.lm_head is not None]
+
     def head_logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
-        """Exit k's pre-norm state h [..., H] (after its extra blocks) -> logits [..., V]."""
+        """Exit k's pre-norm state h [..., H] (after its extra blocks) -> logits [..., V_d]."""
         head = self.exits[k]
-        lm_head = self.base.lm_head if head.lm_head is None else head.lm_head
-        return lm_head(head.norm(h))
+        return self.project(head.norm(h), head.lm_head)
 
     # -- training ----------------------------------------------------------------------------
     def exit_hidden(self, feats: Features, layer: int) -> torch.Tensor:
@@ -154,4 +159,4 @@ class EarlyExit(Drafter):
         head = self.exits[0]
         if len(head.blocks):
             h = ctx.run_layers(head.blocks, h, store=STORE)
-        return self.head_logits(0, h)  # [B, N, V]
+        return self.full_vocab(self.head_logits(0, h))  # [B, N, V]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
 from specdec.drafters.medusa import ResBlock
 
 
@@ -39,8 +39,10 @@ class HydraHead(nn.Module):
 
 
 class Hydra(Drafter):
-    def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False):
-        super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head)
+    def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
+                 draft_vocab_size: int | None = None):
+        super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head,
+                         draft_vocab_size=draft_vocab_size)
         h = base.hidden_size
         # Head k (1-based) conditions on k tokens; fresh modules per head (never [HydraHead(...)] * K). The
         # embedding norm is the base's own norm class, with its own trainable weight per head.
@@ -48,15 +50,20 @@ class Hydra(Drafter):
         self.heads = nn.ModuleList(
             HydraHead(h, k, num_layers, norm_cls(h, eps=eps)) for k in range(1, num_heads + 1)
         )
-        self.lm_heads = nn.ModuleList(copy_lm_head(base) for _ in range(num_heads)) if own_lm_head else None
+        self.draft_vocab = DraftVocab(base, draft_vocab_size) if draft_vocab_size else None
+        self.lm_heads = (nn.ModuleList(copy_lm_head(base, draft_vocab_size) for _ in range(num_heads))
+                         if own_lm_head else None)
         self.to(device=base.device, dtype=base.dtype)
         self.target_offsets = list(range(1, num_heads + 1))
         self.head_names = [f"head{k}" for k in range(1, num_heads + 1)]
         self.max_depth = num_heads
 
-    def project(self, z: torch.Tensor, k: int) -> torch.Tensor:
-        """z [..., H] of head k (0-based) -> logits [..., V]."""
-        return self.base.lm_head(z) if self.lm_heads is None else self.lm_heads[k](z)
+    def vocab_heads(self) -> list[nn.Linear]:
+        return list(self.lm_heads or [])
+
+    def head_logits(self, z: torch.Tensor, k: int) -> torch.Tensor:
+        """z [..., H] of head k (0-based) -> logits [..., V_d]."""
+        return self.project(z, self.lm_heads[k] if self.lm_heads is not None else None)
 
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         h = feats.hidden[LAST]  # [B, T, H]
@@ -67,7 +74,7 @@ class Hydra(Drafter):
         emb = self.base.embed_tokens(input_ids)  # [B, T, H]
         emb = torch.cat([emb, emb.new_zeros(b, k_max, emb.shape[-1])], dim=1)  # [B, T+K, H]
         ahead = torch.stack([emb[:, k : k + t] for k in range(1, k_max + 1)], dim=2)  # [B, T, K, H]
-        logits = [self.project(head(h, ahead[:, :, : k + 1]), k) for k, head in enumerate(self.heads)]
+        logits = [self.head_logits(head(h, ahead[:, :, : k + 1]), k) for k, head in enumerate(self.heads)]
         return TrainOutput(logits=torch.stack(logits, dim=2))  # [B, T, K, V]
 
     # -- sampling: head d+1 expands a depth-d node from h_t and the d+1 tokens on its path (root first) -------
@@ -94,4 +101,4 @@ class Hydra(Drafter):
         state["paths"].put(paths, nodes)
         emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
-        return self.project(self.heads[depth](h, emb), depth)  # [B, N, V]
+        return self.full_vocab(self.head_logits(self.heads[depth](h, emb), depth))  # [B, N, V]
