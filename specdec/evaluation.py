@@ -207,6 +207,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             "method": m.name,
             "lossless": m.lossless,
             "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else (1.0 if m.name == AR else float("nan")),
+            "draft_len": sum(drafted) / len(drafted) if sum(drafted) else float("nan"),  # mean γ_s (adaptive: < γ)
             "alpha": alpha,
             "tok_per_s": mean,
             "pooled_tok_per_s": tok_s(flat),
@@ -223,9 +224,8 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
         }
         if m.chain_gamma and accepted:  # Leviathan et al. with the measured verify cost (SPEC.md §8)
             g = m.chain_gamma
-            rounds = sum(r.rounds for r in flat)
             t1 = costs[1]  # one base forward over one token, measured in this run
-            c = sum(r.t_draft_s for r in flat) / max(rounds, 1) / g / t1  # draft cost per depth, in T_1
+            c = sum(r.t_draft_s for r in flat) / max(sum(drafted), 1) / t1  # draft cost per drafted token, in T_1
             v = costs[g + 1] / t1  # verify of γ+1 tokens, in T_1
             tau_pred = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0
             row["leviathan"] = {
@@ -253,11 +253,12 @@ def render_markdown(report: dict, config_yaml: str) -> str:
     lines = ["# specdec evaluation", "", "```yaml", config_yaml.rstrip(), "```", ""]
     lines += [f"- **{k}**: {v}" for k, v in h.items() if k != "drafters"]
     cat_cols = [f"{c} ×AR" for c in cats] if len(cats) > 1 else []
-    lines += ["", "| method | lossless | τ | α | tok/s | speedup vs AR (ours) | speedup vs HF generate | greedy-identical |"
-              + "".join(f" {c} |" for c in cat_cols),
-              "|---" * (8 + len(cat_cols)) + "|"]
+    lines += ["", "| method | lossless | τ | draft len | α | tok/s | speedup vs AR (ours) | speedup vs HF generate | "
+              "greedy-identical |" + "".join(f" {c} |" for c in cat_cols),
+              "|---" * (9 + len(cat_cols)) + "|"]
     for r in report["rows"]:
-        cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r["alpha"]),
+        cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r.get("draft_len")),
+                 _f(r["alpha"]),
                  _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×", _f(r["speedup_vs_hf"]) + "×",
                  "—" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "**NO**")]
         if cat_cols:
@@ -277,7 +278,8 @@ def render_markdown(report: dict, config_yaml: str) -> str:
                          f"{_f(v['predicted_tau'])} | {_f(v['c'])} | {_f(v['verify_cost'])} | {_f(v['break_even_tau'])} | "
                          f"{_f(v['measured_speedup'])}× | {_f(v['predicted_speedup'])}× | "
                          f"{_f(v['predicted_speedup_unit_verify'])}× |")
-    lines += ["", "τ: mean emitted tokens per base forward (bonus included); α: accepted / drafted tokens; "
+    lines += ["", "τ: mean emitted tokens per base forward (bonus included); draft len: mean draft tokens verified "
+              "per round (γ, less with an adaptive draft length); α: accepted / drafted tokens; "
               "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run. HF peers report no τ/α."]
     return "\n".join(lines) + "\n"
 
@@ -288,8 +290,8 @@ def _write(out_dir: Path, cfg: DictConfig, report: dict, methods: list[Method]) 
     md = render_markdown(report, config_yaml)
     write_text(out_dir / "report.md", md)
     write_text(out_dir / "results.json", json.dumps(report, indent=2, default=str))
-    cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "pooled_tok_per_s", "speedup_vs_ar", "speedup_vs_hf",
-            "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
+    cols = ["method", "lossless", "tau", "draft_len", "alpha", "tok_per_s", "pooled_tok_per_s", "speedup_vs_ar",
+            "speedup_vs_hf", "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
     cat_cols = [f"speedup_vs_ar/{c}" for c in report["categories"]]
     csv = [",".join(cols + cat_cols)]
     for r in report["rows"]:

@@ -33,6 +33,13 @@ class SamplerConfig:
     typical_eps: float = 0.3
     typical_delta: float = 0.09
     eos_token_id: int | list[int] | None = None  # None: the base config's eos; [] never stops early
+    # Adaptive draft length (chains; Draft & Verify's draft-exiting): a round's chain ends after a token whose top-1
+    # draft probability is below the threshold (0 = off: always gamma). With a target acceptance rate the threshold
+    # adapts every round: up by adaptive_step while the recent rate (EMA, decay adaptive_decay) is below it, else down.
+    adaptive_threshold: float = 0.0
+    adaptive_target: float | None = None  # None: the threshold stays fixed
+    adaptive_step: float = 0.01
+    adaptive_decay: float = 0.9
     cpu_kernels: str = "measured"  # CPU only: measured = fastest matmul kernel per shape and rows (kernels.py); stock
 
     def __post_init__(self) -> None:
@@ -49,6 +56,13 @@ class SamplerConfig:
             (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
             (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
              "dynamic_depth, dynamic_topk and dynamic_budget must be >= 1"),
+            (0 <= self.adaptive_threshold <= 1, f"adaptive_threshold must be in [0, 1], got {self.adaptive_threshold}"),
+            (self.adaptive_target is None or 0 < self.adaptive_target < 1,
+             f"adaptive_target must be in (0, 1) or null, got {self.adaptive_target}"),
+            (self.adaptive_step > 0 and 0 <= self.adaptive_decay < 1, f"adaptive_step must be > 0 and adaptive_decay "
+             f"in [0, 1), got {self.adaptive_step} and {self.adaptive_decay}"),
+            (not self.adaptive or self.tree == "chain",
+             f"adaptive draft length needs tree=chain (a {self.tree} tree's shape is fixed per round)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -57,6 +71,10 @@ class SamplerConfig:
     @property
     def lossless(self) -> bool:
         return self.temperature == 0 or self.acceptance == "rejection"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.adaptive_threshold > 0 or self.adaptive_target is not None
 
 
 @dataclass
@@ -101,8 +119,36 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class DraftLength:
+    """Adaptive draft length for chains (Draft & Verify's adaptive draft-exiting): each row's chain ends after its
+    first draft token whose top-1 probability is < threshold; with a target, the threshold follows the recent
+    acceptance rate.
+    Only the drafter's own numbers and past rounds decide how many tokens are proposed, never the base's
+    distribution at the proposed positions, so verification stays lossless."""
+
+    def __init__(self, cfg: SamplerConfig):
+        self.threshold, self.target = cfg.adaptive_threshold, cfg.adaptive_target
+        self.step, self.decay = cfg.adaptive_step, cfg.adaptive_decay
+        self.rate = cfg.adaptive_target  # EMA of the acceptance rate; starts on target: no push either way
+        self.active: torch.Tensor | None = None  # [B] bool, set every round: rows still decoding (finished rows
+        # ride along in the shared chain but never keep it going)
+
+    def keep_going(self, top1: torch.Tensor) -> torch.Tensor:
+        """top1 [B] -> [B] bool: the rows whose chain goes on (confident and still decoding)."""
+        confident = top1 >= self.threshold
+        return confident if self.active is None else confident & self.active
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """After a round: accepted / drafted draft tokens summed over the active rows."""
+        if self.target is None or not drafted:
+            return
+        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / drafted
+        # Draft & Verify: θ ← θ + ε while acceptance is below target (stop earlier), θ − ε otherwise
+        self.threshold = min(1.0, max(0.0, self.threshold + (self.step if self.rate < self.target else -self.step)))
+
+
 def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cfg: SamplerConfig,
-           uniform: RowUniform) -> Round:
+           uniform: RowUniform, length: DraftLength | None = None) -> Round:
     limit = drafter.max_depth or 1 << 30
     if cfg.tree == "dynamic":
         if cfg.dynamic_depth > limit:
@@ -113,7 +159,7 @@ def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cf
         raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
     sampled = cfg.tree == "chain" and cfg.temperature > 0
     draw = sample_chain_fn(cfg.temperature, cfg.top_k, cfg.top_p, uniform) if sampled else None
-    return draft_static(drafter, state, ctx, root, paths, draw)
+    return draft_static(drafter, state, ctx, root, paths, draw, length.keep_going if length is not None else None)
 
 
 def _max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
@@ -127,13 +173,15 @@ def _max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
 def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform):
     dev = logits.device
     parents, anc, depth = rnd.parents.to(dev), rnd.ancestors.to(dev), rnd.depth.to(dev)
+    present = rnd.present()  # [B, N] or None: each row's own draft length (adaptive)
     if cfg.temperature == 0:
-        return verify.greedy(logits, rnd.tokens, parents, anc, depth)
+        return verify.greedy(logits, rnd.tokens, parents, anc, depth, present)
     p = verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B, N, V]
     if cfg.acceptance == "typical":
-        return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform)
+        return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform,
+                              present)
     max_depth = int(rnd.depth.max())
-    return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform)
+    return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform, present)
 
 
 def _finite(logits: torch.Tensor, where: str) -> torch.Tensor:
@@ -220,6 +268,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     for row, t in enumerate(root.tolist()):
         emit(row, [t])
     rows = list(range(b))  # batch position -> prompt row (plain decoding drops finished rows from the batch)
+    length = DraftLength(cfg) if drafter is not None and cfg.adaptive else None
     t_first = _now(dev)
     result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
 
@@ -230,7 +279,9 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             rnd = Round(root[:, None], torch.tensor([-1]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
                         torch.tensor([0]))
         else:
-            rnd = _draft(drafter, state, ctx, root, cfg, uniform)
+            if length is not None:
+                length.active = torch.tensor([not done[row] for row in rows], device=dev)
+            rnd = _draft(drafter, state, ctx, root, cfg, uniform, length)
         t1 = _now(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
@@ -247,11 +298,15 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
         n_acc_host, block = n_acc.tolist(), torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist()
         active = [not done[row] for row in rows]
+        proposed = rnd.drafted()  # [B] per row: γ_s (its own chain length with an adaptive draft length)
         for i, row in enumerate(rows):
             if active[i]:
                 accepted[row].append(n_acc_host[i])
-                drafted[row].append(rnd.size - 1)
+                drafted[row].append(proposed[i])
                 emit(row, block[i][: n_acc_host[i]] + [block[i][-1]])
+        if length is not None:
+            length.update(sum(a for a, act in zip(n_acc_host, active) if act),
+                          sum(g for g, act in zip(proposed, active) if act))
         n_new_host = [0 if done[row] else k + 1 for k, row in zip(n_acc_host, rows)]  # finished rows stay put
         t3 = _now(dev)
         if drafter is not None:

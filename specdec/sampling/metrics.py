@@ -19,6 +19,7 @@ def prompt_metrics(accepted: list[int], drafted: list[int], num_tokens: int, sec
         "steps": steps,
         "tau": sum(emitted) / steps if steps else 1.0,
         "alpha": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+        "draft_len": sum(drafted) / steps if steps else 0.0,  # mean γ_s (adaptive draft length: < gamma)
         "r": [reach[i] / steps for i in range(1, depth + 1)],
         "alpha_i": [reach[i] / reach[i - 1] for i in range(1, depth + 1)],
         "accept_hist": dict(sorted(Counter(accepted).items())),
@@ -44,6 +45,7 @@ def run_metrics(results: list[GenerationResult]) -> dict:
         "lossless": all(r.lossless for r in results),
         "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else 1.0,
         "alpha": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+        "draft_len": sum(drafted) / len(drafted) if drafted else 0.0,
         "accept_hist": dict(sorted(Counter(accepted).items())),
         "tok_per_s": sum(p["tok_per_s"] for p in prompts) / n,
         "decode_tok_per_s": sum(p["decode_tok_per_s"] for p in prompts) / n,

@@ -56,6 +56,19 @@ class Round:
     ancestors: torch.Tensor  # [N, N] bool (CPU), ancestor-or-self
     draft_slots: torch.Tensor  # [N] (CPU) round-relative slot each node had during drafting
     q: torch.Tensor | None = None  # [B, N, V] distribution each node's token was sampled from (sampled chains)
+    limit: torch.Tensor | None = None  # [B] deepest depth each row proposes (adaptive draft length); None: all
+
+    def present(self) -> torch.Tensor | None:
+        """[B, N] bool: the nodes each row proposes (None: every node, every row)."""
+        if self.limit is None:
+            return None
+        return self.depth.to(self.limit.device)[None] <= self.limit[:, None]
+
+    def drafted(self) -> list[int]:
+        """Draft nodes each row proposes: γ_s (N_s - 1 for trees)."""
+        if self.limit is None:
+            return [self.size - 1] * self.tokens.shape[0]
+        return self.limit.clamp(max=int(self.depth.max())).tolist()
 
     @property
     def size(self) -> int:
@@ -108,7 +121,7 @@ class TreeBuilder:
         parents = torch.tensor([self.parents[i] for i in frontier])
         return drafter.expand(state, ctx, self.tokens[:, frontier], parents, depth, f)
 
-    def finish(self, keep: list[int] | None = None) -> Round:
+    def finish(self, keep: list[int] | None = None, limit: torch.Tensor | None = None) -> Round:
         keep = list(range(self.size)) if keep is None else keep
         remap = {old: new for new, old in enumerate(keep)}
         k = torch.tensor(keep)
@@ -122,22 +135,33 @@ class TreeBuilder:
             ancestors=self.ancestors[k][:, k],
             draft_slots=k,
             q=q,
+            limit=limit,
         )
 
 
 def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, paths: list[Path],
-                 sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> Round:
+                 sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 keep_going: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Round:
     """A static tree (chains included): at each depth expand the nodes that have children and take, for the
     child with path P + (k,), the k-th top token of its parent's draft logits. With `sample_chain` (sampling at
-    T > 0 on a chain) the single child is instead drawn from the post-processed q, which is kept."""
+    T > 0 on a chain) the single child is instead drawn from the post-processed q, which is kept.
+    With `keep_going` (adaptive draft length, chains only) each row's chain ends after its first token for which
+    keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
+    softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
+    the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification."""
     tree = TreeBuilder(root, len(paths) + 1)
     node_of: dict[Path, int] = {(): 0}
     max_depth = max((len(p) for p in paths), default=0)
+    limit = going = None
+    if keep_going is not None:
+        limit = torch.full_like(root, max_depth)  # [B]
+        going = torch.ones_like(root, dtype=torch.bool)  # [B] rows still drafting
     for d in range(max_depth):
         kids = [p for p in paths if len(p) == d + 1]
         frontier = sorted({node_of[p[:-1]] for p in kids})
         logits = tree.expand(drafter, state, ctx, frontier)  # [B, F, V]
         pos = {node: j for j, node in enumerate(frontier)}
+        q = None
         if sample_chain is not None:
             token, q = sample_chain(logits[:, 0])  # [B], [B, V]
             ids = tree.add([frontier[0]], token[:, None], q[:, None])
@@ -147,7 +171,14 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
             rank = torch.tensor([p[-1] for p in kids])
             ids = tree.add([node_of[p[:-1]] for p in kids], top[:, parent_pos, rank])
         node_of.update(zip(kids, ids))
-    return tree.finish()
+        if keep_going is not None and d + 1 < max_depth:
+            probs = q if q is not None else logits[:, 0].float().softmax(-1)  # [B, V]
+            stop = going & ~keep_going(probs.max(-1).values)  # [B] rows whose chain ends at depth d + 1
+            limit = torch.where(stop, d + 1, limit)
+            going = going & ~stop
+            if not bool(going.any()):
+                break
+    return tree.finish(limit=limit)
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,

@@ -57,18 +57,22 @@ def _deepest(ok: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> 
 
 
 def greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
-           depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           depth: torch.Tensor, present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """T = 0: a node is right when it is the base's argmax after its parent. logits [B, N, V], tokens [B, N],
-    parents [N] (-1 root), ancestors [N, N] bool (ancestor-or-self), depth [N]."""
+    parents [N] (-1 root), ancestors [N, N] bool (ancestor-or-self), depth [N]; present [B, N] bool: the nodes
+    each row proposes (None = all; a row's chain may end early with an adaptive draft length)."""
     target = logits.argmax(-1)  # [B, N]
     ok = tokens == target[:, parents.clamp(min=0)]
+    if present is not None:
+        ok &= present
     ok[:, 0] = True
     best = _deepest(ok, ancestors, depth)
     return best, target.gather(1, best[:, None])[:, 0]
 
 
 def typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
-            depth: torch.Tensor, eps: float, delta: float, uniform: Uniform) -> tuple[torch.Tensor, torch.Tensor]:
+            depth: torch.Tensor, eps: float, delta: float, uniform: Uniform,
+            present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa's typical acceptance (LOSSY): accept x after its parent when p(x) > min(eps, delta * exp(-H(p)));
     p [B, N, V] post-processed base probabilities. The bonus is sampled from p at the deepest accepted node."""
     entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)  # [B, N]
@@ -76,6 +80,8 @@ def typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancest
     par = parents.clamp(min=0)
     px = p[:, par].gather(-1, tokens[..., None])[..., 0]  # [B, N] p(token | parent)
     ok = px > threshold[:, par]
+    if present is not None:
+        ok &= present
     ok[:, 0] = True
     best = _deepest(ok, ancestors, depth)
     p_best = p.gather(1, best[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
@@ -83,10 +89,13 @@ def typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancest
 
 
 def rejection(p: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, q: torch.Tensor | None,
-              max_depth: int, uniform: Uniform) -> tuple[torch.Tensor, torch.Tensor]:
+              max_depth: int, uniform: Uniform,
+              present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless recursive rejection (SPEC.md §2). p [B, N, V] post-processed base probabilities at every node;
     children [N, K] node ids in the order to try (-1 = none); q [B, N, V] the distribution each node's token was
-    sampled from, or None when children are deterministic picks (then q is a point mass on the token).
+    sampled from, or None when children are deterministic picks (then q is a point mass on the token); present
+    [B, N] bool: the nodes each row proposes (None = all): a node a row does not propose is never tried, as if
+    the row's tree ended before it.
     Every row draws the same number of uniforms whatever happens in other rows (no early exit), so a row's
     random stream, hence its output, does not depend on the batch it runs in."""
     b_idx = torch.arange(p.shape[0], device=p.device)
@@ -97,8 +106,10 @@ def rejection(p: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, q: 
         moved = torch.zeros_like(alive)
         for k in range(children.shape[1]):
             child = children[cur, k]  # [B]
-            trying = alive & ~moved & (child >= 0)
             c = child.clamp(min=0)
+            trying = alive & ~moved & (child >= 0)
+            if present is not None:
+                trying &= present[b_idx, c]
             x = tokens[b_idx, c]  # [B]
             qv = torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype) if q is None else q[b_idx, c]
             ok = trying & (uniform() < accept_probability(p_cur, qv, x))
