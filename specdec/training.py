@@ -239,6 +239,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     base: Base = hydra.utils.instantiate(cfg.base)
     drafter: Drafter = hydra.utils.instantiate(cfg.drafter)(base=base)
+    if not any(p.requires_grad for p in drafter.parameters()):  # nothing to train by gradient (layer skip)
+        return calibrate(cfg, base, drafter, out_dir, config)
     module = hydra.utils.instantiate(cfg.module)(base=base, drafter=drafter)
     check_metric_name(cfg.get("optimized_metric"), module)
     datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
@@ -246,11 +248,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule.check(base, drafter)
     ckpt_path = resume_path(cfg.get("ckpt_path"), out_dir)
     if drafter.draft_vocab is not None and ckpt_path is None:  # (a resumed run loads it)
-        counts = datamodule.train_token_counts(base.vocab_size)  # [V]
-        top = counts.topk(drafter.draft_vocab.size)
-        drafter.set_draft_vocab(top.indices)
-        print(f"[specdec] draft vocab: {drafter.draft_vocab.size:,} most frequent tokens, "
-              f"{top.values.sum() / counts.sum():.1%} of the training tokens")
+        _set_draft_vocab(drafter, datamodule)
 
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     callbacks.append(SaveDrafter(str(out_dir / "drafter"), config))
@@ -277,6 +275,55 @@ def train(cfg: DictConfig) -> dict[str, float]:
                                       "trainable_params": n_train, "global_step": trainer.global_step})
     _print_val_table(metrics, drafter.head_names)
     return metrics
+
+
+def calibrate(cfg: DictConfig, base: Base, drafter: Drafter, out_dir: Path, config: dict) -> dict[str, float]:
+    """train() for a drafter with no trainable parameters: data -> loggers -> drafter.calibrate on the validation
+    blocks (the layer-skip search) -> <run>/drafter, calibration.json (how it was found), result.json."""
+    if not drafter.calibration_metrics:
+        drafter.calibrate((), lambda metrics, step: None)  # raises the drafter's own one-line reason
+    name = cfg.get("optimized_metric")
+    if name is not None and name not in drafter.calibration_metrics:
+        raise ConfigError(f"optimized_metric {name!r} is never returned by {type(drafter).__name__}'s calibration; "
+                          f"pick one of {', '.join(drafter.calibration_metrics)}")
+    datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
+    if hasattr(datamodule, "check"):
+        datamodule.check(base, drafter)
+    datamodule.setup("fit")
+    if drafter.draft_vocab is not None:
+        _set_draft_vocab(drafter, datamodule)
+    loggers = [hydra.utils.instantiate(c, **_sweep_grouping(c)) for c in (cfg.get("logger") or {}).values()]
+    for lg in loggers:
+        lg.log_hyperparams(config)
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        for lg in loggers:
+            lg.log_metrics(metrics, step=step)
+
+    print(f"[specdec] base {base.name} | drafter {type(drafter).__name__} | no trainable parameters: calibrating")
+    try:
+        metrics, detail = drafter.calibrate((batch["input_ids"] for batch in datamodule.val_dataloader()), log)
+        for lg in loggers:
+            lg.log_metrics(metrics, step=len(detail.get("trials", [])))
+            lg.finalize("success")
+    finally:
+        _finish_wandb()
+    save_drafter(drafter, out_dir / "drafter", train_config=config, metrics=metrics)
+    write_json(out_dir / "calibration.json", detail)
+    if not cfg.trainer.get("fast_dev_run"):
+        write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
+                                      "trainable_params": 0, "global_step": 0})
+    print("\n".join(f"{k}: {v:.4g}" for k, v in metrics.items()))
+    print(f"[specdec] {type(drafter).__name__} {drafter.hparams} -> {out_dir / 'drafter'}")
+    return metrics
+
+
+def _set_draft_vocab(drafter: Drafter, datamodule) -> None:
+    counts = datamodule.train_token_counts(drafter.base.vocab_size)  # [V]
+    top = counts.topk(drafter.draft_vocab.size)
+    drafter.set_draft_vocab(top.indices)
+    print(f"[specdec] draft vocab: {drafter.draft_vocab.size:,} most frequent tokens, "
+          f"{top.values.sum() / counts.sum():.1%} of the training tokens")
 
 
 def _finished_run(out_dir: Path, config: dict) -> dict[str, float] | None:

@@ -12,7 +12,10 @@ from specdec.training import train
 
 DRAFTERS = sorted(p.stem for p in (CONFIGS / "drafter").glob("*.yaml"))
 # Drafter settings that must fit a 2-layer tiny base.
-TINY_DRAFTER = {"early_exit": ["drafter.exit_layers=[1]"]}
+TINY_DRAFTER = {"early_exit": ["drafter.exit_layers=[1]"], "draft_model": ["drafter.num_layers=1"],
+                "layer_skip": ["drafter.search.prompts=2", "drafter.search.prompt_len=8",
+                               "drafter.search.max_new_tokens=8", "drafter.search.cost_reps=1"]}
+CALIBRATED = {"layer_skip"}  # no trainable weights: train.py runs their calibration (a search) instead
 TINY_DATA = ["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2"]
 
 
@@ -22,7 +25,8 @@ def test_fast_dev_run(drafter, corpus, tmp_path):
                          *TINY_DRAFTER.get(drafter, [])], tmp_path)
     metrics = train(cfg)
     assert "val/expected_tau" in metrics and metrics["val/expected_tau"] >= 1.0
-    assert metrics["train/loss"] == pytest.approx(metrics["train/loss"])  # finite, not NaN
+    assert "train/loss" in metrics or drafter in CALIBRATED
+    assert all(v == pytest.approx(v) for v in metrics.values())  # finite, not NaN
 
 
 def test_short_run_logs_and_saves_drafter(corpus, tmp_path, tiny):

@@ -5,7 +5,7 @@ subclasses `Drafter` plus one yaml; the LightningModule and the sampler never sp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,21 @@ class Drafter(nn.Module):
         tree shape is shared by all rows. Raw logits: the sampler applies temperature/top-k/top-p to them and
         samples or picks top-k, so the reported q and the drafted token always agree."""
         raise NotImplementedError
+
+    # -- drafters with nothing to train by gradient ---------------------------------------------
+    calibration_metrics: tuple[str, ...] = ()  # the metric names `calibrate` returns (what a sweep may optimise)
+
+    def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None]
+                  ) -> tuple[dict[str, float], dict[str, Any]]:
+        """train.py calls this instead of gradient training when the drafter has no trainable parameters: fit its
+        discrete settings (the layer-skip set) on validation token blocks [T] of the data, reporting progress with
+        log(metrics, step). Returns the final metrics (val/...) and a JSON-able record of how they were found."""
+        raise NotImplementedError(f"{type(self).__name__} has no trainable parameters and nothing to calibrate")
+
+    def hf_assistant(self) -> nn.Module | None:
+        """The drafter as an HF `PreTrainedModel` for `generate(assistant_model=...)` (the hf_assisted peer), when
+        it is one (a standalone draft model); None otherwise."""
+        return None
 
 
 class DraftVocab(nn.Module):
