@@ -22,6 +22,7 @@ from tqdm import tqdm
 from specdec.base import Base
 from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
 from specdec.data.prompts import render_chat
+from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.cost import forward_costs, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
@@ -29,7 +30,7 @@ from specdec.sampling.kernels import cpu_model
 from specdec.sampling.metrics import prompt_metrics
 
 AR = "ar (ours)"
-HF_PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
+HF_PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
 
 
 @dataclass
@@ -68,6 +69,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     metas = {name: read_meta(p) for name, p in paths.items()}
     base: Base = hydra.utils.instantiate(cfg.base)
     drafters = {name: load_drafter(p, base) for name, p in paths.items()}
+    for model in cfg.get("draft_models") or []:  # pretrained HF draft models (evaluate-only), tokenizer checked
+        drafters[_unique(f"draft_model:{Path(model).name}", drafters)] = DraftModel(base, model=str(model))
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
     items: list[dict] = hydra.utils.instantiate(cfg.prompts)
     methods = _methods(cfg, base, drafters, sampler)
@@ -117,10 +120,25 @@ def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler:
         "hf_early_exit": {"assistant_early_exit": cfg.hf.early_exit_layer, "num_assistant_tokens": cfg.hf.num_assistant_tokens},
     }
     for peer in cfg.peers:
-        if peer not in hf:
+        if peer not in HF_PEERS:
             raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS)}")
-        methods.append(Method(peer, _hf(base, sampler, hf[peer]), True))
+        extra = _assistant(drafters, cfg.hf.get("assisted_tokens")) if peer == "hf_assisted" else hf[peer]
+        methods.append(Method(peer, _hf(base, sampler, extra), True))
     return methods
+
+
+def _assistant(drafters: dict[str, Drafter], tokens: int | None) -> dict:
+    """HF generate(assistant_model=...) with the first evaluated drafter that is a standalone HF model (a draft
+    model), so our sampler runs the same model beside it."""
+    model = next((m for m in (d.hf_assistant() for d in drafters.values()) if m is not None), None)
+    if model is None:
+        raise ValueError("peer hf_assisted needs a draft model: drafters=[<a drafter=draft_model checkpoint>] or "
+                         "draft_models=[<HF model name or dir>]")
+    if tokens is not None:  # otherwise HF's own defaults: up to 20 drafts, ending below a 0.4 draft confidence
+        model.generation_config.num_assistant_tokens = tokens
+        model.generation_config.num_assistant_tokens_schedule = "constant"
+        model.generation_config.assistant_confidence_threshold = 0.0
+    return {"assistant_model": model}
 
 
 def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int) -> Callable:
@@ -365,6 +383,10 @@ def _cut_at_eos(tokens: list[int], eos) -> list[int]:
         if t in eos:
             return tokens[: i + 1]  # EOS counts as a generated token, as in our sampler
     return tokens
+
+
+def _unique(name: str, taken: dict) -> str:
+    return name if name not in taken else f"{name}#{len(taken)}"
 
 
 def _drafter_names(paths: list[str]) -> dict[str, str]:

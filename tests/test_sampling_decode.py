@@ -71,7 +71,8 @@ def test_tree_greedy_identity(base, prompts, kw, right_for):
 
 
 # yaml defaults sized for SmolLM2 that the 2-layer tiny base cannot take
-TINY_OVERRIDES = {"early_exit": {"exit_layers": [1], "num_extra_layers": 1}}
+TINY_OVERRIDES = {"early_exit": {"exit_layers": [1], "num_extra_layers": 1}, "draft_model": {"num_layers": 1},
+                  "layer_skip": {"skip_layers": [1]}}
 
 
 def drafter_configs():

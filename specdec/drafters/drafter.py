@@ -44,6 +44,13 @@ class DraftContext(Protocol):
         `position_offset` shifts the rotary positions (a drafter whose entry for token t+1 sits at t uses -1)."""
         ...
 
+    def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
+        """Run a whole HF decoder stack (e.g. a `LlamaModel`: its own embeddings, rotary and final norm, so any
+        architecture works) over input_ids [B, m] on the drafter-private `store`, and return its last hidden state
+        [B, m, H']. The m tokens are the LAST m queries of the current layout (see `run_layers`); the earlier ones
+        are already in the store (a draft model skips committed tokens it ran while drafting)."""
+        ...
+
 
 class Drafter(nn.Module):
     """Base class. Subclasses set `target_offsets`, `head_names`, and implement the methods below.

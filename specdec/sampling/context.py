@@ -70,11 +70,14 @@ class SamplingContext:
             ~allowed, torch.finfo(dtype).min
         )[:, None]  # [B, 1, n, W]
 
-    def _store(self, name: str) -> SlotCache:
+    def _store(self, name: str, start: int = 0) -> SlotCache:
+        """The store `name` set up to write the current layout's queries from index `start` on."""
         if name not in self.stores:
             self.stores[name] = SlotCache(self.max_len)
         store = self.stores[name]
-        store.write_slots, store.write_start, store.width = self.slots, self.write_start, self.width
+        store.write_slots = self.slots[:, start:] if start else self.slots
+        store.write_start = None if self.write_start is None else self.write_start + start
+        store.width = self.width
         return store
 
     # -- forwards ------------------------------------------------------------------------------
@@ -92,6 +95,18 @@ class SamplingContext:
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
+        """DraftContext.run_model: a whole HF decoder stack over input_ids [B, m], the last m queries of the current
+        layout, on `store` -> its last hidden state [B, m, H']."""
+        start = self.slots.shape[1] - input_ids.shape[1]
+        if start < 0:
+            raise ValueError(f"run_model got {input_ids.shape[1]} queries for a layout of {self.slots.shape[1]}")
+        # the mask is None only for a single query, which never has start > 0
+        mask = self.mask[:, :, start:] if start else self.mask
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=self.positions[:, start:],
+                    past_key_values=self._store(store, start), use_cache=True)
+        return out.last_hidden_state
 
     def base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
         """The base model's own forward over input_ids [B, n] in the current layout, writing the base store.
