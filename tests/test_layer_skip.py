@@ -139,6 +139,8 @@ def test_tpe_search_bookkeeping(monkeypatch):
     drafter = LayerSkip(base, gamma=2, search=SkipSearch(trials=12, startup_trials=4, **SEARCH))  # 64 sets > 12
     metrics, detail = drafter.calibrate(blocks(), lambda m, step: None)
     assert len(detail["trials"]) == 12
+    # TPE starts from uniform sets at a few skip ratios (1/16, 1/8, 1/4, 1/2 of 6 layers: 1, 1, 2, 3 skipped)
+    assert [t["skip_layers"] for t in detail["trials"][:3]] == [list(uniform_skip(6, k)) for k in (1, 2, 3)]
     best = max(detail["trials"], key=lambda t: t["predicted_speedup"])
     assert drafter.skip_layers == best["skip_layers"] and metrics["val/predicted_speedup"] == best["predicted_speedup"]
     assert set(metrics) == set(LayerSkip.calibration_metrics)
