@@ -191,3 +191,25 @@ def test_evaluate_with_hf_assisted_beside_the_same_draft_model(tmp_path, hf_dir)
     assert "| draft len |" in (tmp_path / "eval" / "report.md").read_text()
     with pytest.raises(ValueError, match="hf_assisted needs a draft model"):
         evaluate(_eval_cfg(tmp_path, questions, ["peers=[hf_assisted]", "overwrite=true"]))
+
+
+def test_tied_embeddings_base():
+    # SmolLM2 ties its lm_head to its embeddings (the tiny base does not): the draft model shares the one tensor
+    # and saves neither.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.base import Base
+
+    tok = tiny_base().tokenizer
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256, bos_token_id=None,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    tied = Base(LlamaForCausalLM(config), tok, "tiny-tied")
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    drafter = DraftModel(tied, num_layers=1)
+    shared = {drafter.lm.get_input_embeddings().weight.data_ptr(), drafter.lm.get_output_embeddings().weight.data_ptr()}
+    assert shared == {tied.embed_tokens.weight.data_ptr()}
+    assert not any("embed" in k or "lm_head" in k for k in drafter.state_dict())
+    plain = generate(tied, PROMPTS, None, CFG).tokens
+    assert torch.equal(generate(tied, PROMPTS, drafter, replace(CFG, gamma=3)).tokens, plain)
