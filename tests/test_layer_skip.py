@@ -98,9 +98,9 @@ def planted_base(num_layers: int, identity: list[int]) -> torch.nn.Module:
 
 def fixed_costs(monkeypatch, verify: float = 1.5):
     """Analytic costs instead of timings (a unit test never passes or fails on a timing): c(k) = 0.05 + 0.2·k."""
-    import specdec.sampling.cost as cost
+    import specdec.drafters.layer_skip as layer_skip
 
-    monkeypatch.setattr(cost, "forward_costs", lambda base, ns, **kw: {n: 1.0 if n == 1 else verify for n in ns})
+    monkeypatch.setattr(layer_skip, "forward_costs", lambda base, ns, **kw: {n: 1.0 if n == 1 else verify for n in ns})
     monkeypatch.setattr(LayerSkip, "draft_costs",
                         lambda self, prompt, t1: {k: 0.05 + 0.2 * k for k in range(self.base.num_layers + 1)})
 

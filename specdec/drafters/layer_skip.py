@@ -24,6 +24,11 @@ import torch
 
 from specdec.base import Base, Features
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.cost import forward_costs
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import measured_kernels
+from specdec.sampling.trees import chain_paths, draft_static
 
 
 @dataclass
@@ -103,8 +108,6 @@ class LayerSkip(Drafter):
         Optuna is already installed with the sweeper plugin."""
         s, n, g = self.search, self.base.num_layers, self.gamma
         prompts = _prompts(blocks, s.prompts, s.prompt_len)
-        from specdec.sampling.cost import forward_costs
-
         t = forward_costs(self.base, [1, g + 1], prompt_len=len(prompts[0]), reps=s.cost_reps)
         verify = t[g + 1] / t[1]  # v(γ+1)
         cost = self.draft_costs(prompts[0], t[1])  # c by executed-layer count
@@ -176,8 +179,6 @@ class LayerSkip(Drafter):
     @torch.no_grad()
     def _acceptance(self, skip: tuple[int, ...], prompts: list[list[int]]) -> tuple[float, float]:
         """α (accepted / drafted) and measured τ of the sampler drafting with `skip` on the calibration prompts."""
-        from specdec.sampling.decode import SamplerConfig, generate
-
         self.set_skip(skip)
         cfg = SamplerConfig(max_new_tokens=self.search.max_new_tokens, temperature=self.search.temperature,
                             gamma=self.gamma)
@@ -193,11 +194,6 @@ class LayerSkip(Drafter):
         code after `prompt`, per depth, in units of T_1 (one base forward over one token). All layers have one
         shape, so the cost depends on k only; timing each k once (interleaved, so drift hits every k alike) means two
         skip sets of one size are never ranked by timing noise."""
-        from specdec.sampling.context import SamplingContext
-        from specdec.sampling.decode import SamplerConfig
-        from specdec.sampling.kernels import measured_kernels
-        from specdec.sampling.trees import chain_paths, draft_static
-
         base, dev, n, g = self.base, self.base.device, self.base.num_layers, self.gamma
         ids = torch.tensor([prompt], device=dev)
         ctx = SamplingContext(base, 1, len(prompt) + g + 2)
