@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = {"humaneval": [], "question": ["prompts=jsonl", f"prompts.path={ROOT}/experiments/prompts/question.jsonl"]}
 TREES = {"chain": ["sampler=chain", "sampler.gamma=4"], "dynamic": ["sampler=dynamic_tree"]}
 COLUMNS = ["method", "prompts", "tree", "tau", "alpha", "tok_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical",
-           "break_even_tau", "predicted_speedup"]
+           "break_even_tau", "predicted_speedup", "predicted_from_measured_tau"]
 
 
 def main() -> None:
@@ -46,7 +46,9 @@ def main() -> None:
                 rows.append({"method": r["method"], "prompts": prompts, "tree": tree, "tau": r["tau"],
                              "alpha": r["alpha"], "tok_s": r["tok_per_s"], "speedup_vs_ar": r["speedup_vs_ar"],
                              "speedup_vs_hf": r["speedup_vs_hf"], "greedy_identical": r["greedy_identical"],
-                             "break_even_tau": lev.get("break_even_tau"), "predicted_speedup": lev.get("predicted_speedup")})
+                             "break_even_tau": lev.get("break_even_tau"), "predicted_speedup": lev.get("predicted_speedup"),
+                             # τ / (v(γ+1) + γc): the cost model with the measured τ
+                             "predicted_from_measured_tau": r["tau"] / lev["break_even_tau"] if lev else None})
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "w1.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
