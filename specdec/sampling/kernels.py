@@ -106,6 +106,7 @@ class KernelTable:
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
         self._packed: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._by_rows: dict[str, list[str]] = {}  # shape -> kernel name per row count (see _names)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
             self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
@@ -170,16 +171,27 @@ class KernelTable:
     def plan(self, weight: torch.Tensor) -> list[tuple[Kernel, torch.Tensor] | None]:
         """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows);
         None where plain F.linear was fastest (so the common path pays no extra call)."""
-        choice = self.choice.get(_shape_key(weight), {})
-        out: list[tuple[Kernel, torch.Tensor] | None] = [None]
+        names = self._names(_shape_key(weight))
+        operands = {n: (self.candidates[n].run, self._operand(n, weight)) for n in set(names) - {"linear"}}
+        return [operands.get(n) for n in names]
+
+    def _names(self, shape: str) -> list[str]:
+        """Kernel name per row count 0..max(rows) for a shape ("linear" throughout for an unmeasured one); kept
+        once measured, since a shape's choice never changes after that."""
+        if shape in self._by_rows:
+            return self._by_rows[shape]
+        choice = self.choice.get(shape, {})
+        names = ["linear"]
         for rows in range(1, max(self.rows) + 1):
             bucket = min((r for r in choice if r >= rows), default=None)
-            name = choice.get(bucket, "linear") if bucket is not None else "linear"
-            out.append(None if name == "linear" else (self.candidates[name].run, self._operand(name, weight)))
-        return out
+            names.append(choice[bucket] if bucket is not None else "linear")
+        if choice:
+            self._by_rows[shape] = names
+        return names
 
     def _operand(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """The candidate's packed weight, made once per weight (and again if the weight changed in place)."""
+        """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
+        dropped with the weight."""
         cand = self.candidates[name]
         if cand.pack is None:
             return weight
@@ -188,7 +200,8 @@ class KernelTable:
         if ref is None or ref() is not weight or version != weight._version:
             with torch.no_grad():
                 operand = cand.pack(weight.detach())
-            self._packed[key] = (weakref.ref(weight), weight._version, operand)
+            self._packed[key] = (weakref.ref(weight, lambda _, k=key: self._packed.pop(k, None)), weight._version,
+                                 operand)
         return operand
 
 
