@@ -1,5 +1,6 @@
 """Hydra multirun plumbing: one failed job does not end the sweep, and every sweep ends with a summary of its jobs
-(overrides, status, optimised metric) written next to them, whatever launcher ran them (local, SLURM)."""
+(overrides, status, optimised metric) written next to them, whatever launcher ran them (local, SLURM). A sweep in
+which a job failed exits non-zero after its summary, so a script or CI notices."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def keep_sweep_going(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig]
 
 
 class SweepSummary(Callback):
-    """On multirun end: summary.md + summary.csv in the sweep dir, one row per job dir found there."""
+    """On multirun end: summary.md + summary.csv in the sweep dir, one row per job dir found there; then exit 1 if a
+    job failed (SystemExit passes through Hydra's callback guard, which catches only Exception)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -65,7 +67,9 @@ class SweepSummary(Callback):
         write_text(sweep_dir / "summary.md", "\n".join(lines) + "\n")
         csv = ["job,overrides,status,value"] + [f"{r['job']},\"{r['overrides']}\",{r['status']},{r['value']}" for r in rows]
         write_text(sweep_dir / "summary.csv", "\n".join(csv) + "\n")
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
+        if failed:
+            raise SystemExit(1)
 
 
 def sweep_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:

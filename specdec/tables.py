@@ -67,20 +67,29 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
     if args.smoke:
         train, evals = [*SMOKE_TRAIN, *train], [*SMOKE_EVAL, *evals]
 
+    failed = []
     if not args.render:
-        _run("train.py", f"experiment={name}/train", [*both, *train])
-        _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
+        # A failed training job still leaves the others' drafters: evaluation and the table go on with them, and
+        # the command exits non-zero at the end (evaluate.py itself refuses a drafter whose run left none).
+        failed += _run("train.py", f"experiment={name}/train", [*both, *train])
+        failed += _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
     table = build(root)
     out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
     command = " ".join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
     write(out, name, table, command, _machine(root))
+    if failed:
+        print(f"[specdec] table {name}: {' and '.join(failed)} failed (see its summary above); "
+              f"the table holds the finished runs only", file=sys.stderr)
+        raise SystemExit(1)
     return out
 
 
-def _run(script: str, experiment: str, overrides: list[str]) -> None:
+def _run(script: str, experiment: str, overrides: list[str]) -> list[str]:
+    """Run one side of the table; [script] if it exited non-zero (a job of its sweep failed), else []."""
     cmd = [sys.executable, str(ROOT / script), experiment, *overrides]
     print("[specdec] $", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PROJECT_ROOT": str(ROOT)})
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PROJECT_ROOT": str(ROOT)})
+    return [script] if proc.returncode else []
 
 
 # -- reading finished runs -------------------------------------------------------------------------

@@ -24,9 +24,10 @@ def _multirun(corpus: Path, tmp_path: Path, *overrides: str) -> subprocess.Compl
 
 
 def test_failed_job_does_not_stop_the_sweep(corpus, tmp_path):
-    # job 0 has an invalid learning rate (AdamW raises), job 1 trains
+    # job 0 has an invalid learning rate (AdamW raises), job 1 trains; the sweep then exits non-zero
     proc = _multirun(corpus, tmp_path, "module.optimizer.lr=-1,1e-3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "1 of 2 jobs completed; failed: 0" in proc.stdout
     rows = {r["overrides"].split()[0]: r for r in sweep_rows(tmp_path / "sweep", "val/expected_tau")}
     assert rows["module.optimizer.lr=-1"]["status"] == "failed"
     assert "Invalid learning rate" in rows["module.optimizer.lr=-1"]["value"]

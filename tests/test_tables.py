@@ -27,3 +27,14 @@ def test_table_smoke(table, tmp_path):
     md = (out / f"{table}.md").read_text()
     assert md.count("\n|") == TABLES[table] + 2 and f"experiments/{table}.py --smoke" in md
     assert (out / f"{table}.png").stat().st_size > 10_000
+
+
+def test_table_with_a_failed_job_exits_nonzero(tmp_path):
+    # every training job fails (AdamW refuses lr < 0), so evaluation has no drafter: the table is still written
+    # from what finished (nothing), and the command exits 1 for a script or CI to notice
+    cmd = [sys.executable, str(ROOT / "experiments" / "leviathan.py"), "--smoke", f"paths.log_dir={tmp_path}",
+           f"paths.cache_dir={tmp_path}/cache", "train:module.optimizer.lr=-1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "table leviathan: train.py and evaluate.py failed" in proc.stderr
+    assert (tmp_path / "experiments" / "leviathan" / "table" / "leviathan.md").exists()
