@@ -36,9 +36,15 @@ demo: setup
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 
 # The shipped self-distilled text (specdec/data/shipped/): SmolLM2's own greedy answers to stdlib_tasks prompts,
-# regenerated (resumable: rerun to continue) and written with its manifest. Nobody needs to run this to train.
+# in two parts: implement / explain / example requests (the 10 shortest shards of the first 6,000 prompts), then
+# every bare-stub "complete" request (the completion format of code benchmarks, stdlib functions only). Resumable;
+# on a fresh machine it reproduces the shipped file exactly (DISTILL_SHARDS=40 extends it). Nobody needs it to train.
+DISTILL_SHARDS ?= 10
+DISTILL := OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
 distill: setup
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill ship_to=specdec/data/shipped/stdlib_tasks.jsonl.gz
+	$(DISTILL) max_shards=$(DISTILL_SHARDS) hydra.run.dir=logs/distill/general
+	$(DISTILL) 'prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete \
+	    ship_to=specdec/data/shipped/stdlib_tasks.jsonl.gz "ship_command='make distill DISTILL_SHARDS=$(DISTILL_SHARDS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup

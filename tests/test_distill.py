@@ -47,6 +47,20 @@ def test_stdlib_tasks_deterministic_and_unique():
     row = full[0]
     assert len(row["messages"]) == 1 and row["messages"][0]["role"] == "user"
     assert "```python\n" in row["messages"][0]["content"]
+    assert stdlib_tasks(limit=30, kinds=["implement", "explain", "example"]).to_list() == full.select(range(30)).to_list()
+
+
+def test_stdlib_complete_kind_is_the_bare_stub_completion_format():
+    from specdec.data.prompts import humaneval
+
+    done = stdlib_tasks(kinds=["complete"])
+    assert len(done) > 500 and all(i.endswith(":complete") for i in done["id"])
+    text = done[0]["messages"][0]["content"]
+    instruction = humaneval(1)[0]["turns"][0].split("\n\n")[0]  # the evaluation's instruction line
+    assert text.startswith(instruction + "\n\ndef ") and '"""' in text and "```" not in text
+    assert not any("." in i.split(":")[1] for i in done["id"])  # functions only: a method needs its class
+    with pytest.raises(ValueError, match="unknown stdlib task kinds"):
+        stdlib_tasks(kinds=["translate"])
 
 
 def test_shards_hold_what_generate_returns(prompts, tiny, tmp_path):
@@ -97,6 +111,14 @@ def test_resume_after_an_interruption(prompts, tiny, tmp_path, monkeypatch):
     assert by_id(resumed) == by_id(whole)
     other_seed = run(prompts, tiny, tmp_path / "seed1", sampler=sampled, seed=1)
     assert [r["response"] for r in by_id(other_seed)] != [r["response"] for r in by_id(whole)]
+
+
+def test_max_shards_bounds_a_run_and_a_larger_bound_extends_it(prompts, tiny, tmp_path):
+    whole = run(prompts, tiny, tmp_path / "whole")
+    first = run(prompts, tiny, tmp_path / "bounded", max_shards=1)
+    assert len(first) == 4  # one shard of the 4 shortest prompts
+    assert len(run(prompts, tiny, tmp_path / "bounded", max_shards=1)) == 4  # a rerun at the bound adds nothing
+    assert by_id(run(prompts, tiny, tmp_path / "bounded", max_shards=3)) == by_id(whole)
 
 
 def test_a_larger_limit_extends_without_duplicates(prompts, tiny, tmp_path):

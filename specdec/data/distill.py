@@ -51,10 +51,13 @@ def distill(
     shard_size: int = 64,
     seed: int = 0,
     engine: str = "specdec",
+    max_shards: int | None = None,
 ) -> Dataset:
     """Generate the base's response to the first `limit` prompts (rows with `messages`, optionally `id`) into
     `out_dir`. Resumable: prompts whose id is in a complete shard are skipped, so a rerun generates only the
-    rest; a rerun with other settings or another base is refused. Returns every row of `out_dir`."""
+    rest; a rerun with other settings or another base is refused. `max_shards` bounds a run: it stops once
+    `out_dir` holds that many shards (shortest prompts first), so a bounded set is reproducible and a rerun with a
+    larger bound extends it. Returns every row of `out_dir`."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     out = Path(out_dir).expanduser()
@@ -77,6 +80,8 @@ def distill(
     generated, seconds = 0, 0.0
     with tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
         for s, lo in enumerate(range(0, len(todo), shard_size), start=first):
+            if max_shards is not None and s >= max_shards:
+                break
             items = todo[lo : lo + shard_size]
             t0 = time.perf_counter()
             responses = _generate_shard(run, [rendered[i] for i, _ in items], [i for i, _ in items], batch_size, bar)
@@ -84,8 +89,8 @@ def distill(
             generated += sum(len(r) for r in responses)
             rows = [_row(base, i, m, r, eos) | constant for (i, m), r in zip(items, responses)]
             _save_atomic(out / "shards" / f"{s:05d}", Dataset.from_list(rows))
-    if todo:
-        print(f"[specdec] distilled {len(todo):,} responses, {generated:,} tokens in {seconds:.0f} s "
+    if generated:
+        print(f"[specdec] distilled {bar.n:,} responses, {generated:,} tokens in {seconds:.0f} s "
               f"({generated / max(seconds, 1e-9):.1f} tok/s, {engine}, batch {batch_size}) -> {out}")
     return load_distilled(out)
 
@@ -303,10 +308,11 @@ def main(cfg: DictConfig) -> None:
     prompts: Dataset = hydra.utils.instantiate(cfg.prompts)
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
     distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
-            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine)
+            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards)
     if cfg.ship_to:
         overrides = " ".join(HydraConfig.get().overrides.task)
-        target = ship(cfg.out_dir, cfg.ship_to, command=f"python -m specdec.data.distill {overrides}".strip())
+        command = cfg.ship_command or f"python -m specdec.data.distill {overrides}".strip()
+        target = ship(cfg.out_dir, cfg.ship_to, command=command)
         print(f"[specdec] shipped {target} ({target.stat().st_size / 1e6:.1f} MB)")
 
 

@@ -1,7 +1,11 @@
 """Embedded offline prompts for self-distillation: requests a user would send a chat assistant about the public,
 documented functions and methods of this Python's standard library (implement it from its signature and
-docstring, explain its source, show a usage example). Only stdlib source is read, so no evaluation prompt
-(HumanEval) can leak into training data."""
+docstring, explain its source, show a usage example, complete its body). Only stdlib source is read, so no
+evaluation prompt (HumanEval) can leak into training data.
+
+The `complete` kind asks in the *format* code-completion benchmarks use (an instruction, then the bare signature and
+docstring, unfenced: what `specdec.data.prompts.humaneval` sends), so the base's answers to it teach a drafter the
+shape of a completion answer; its content is still a stdlib function, never a benchmark problem."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import ast
 import random
 import textwrap
 from pathlib import Path
+from typing import Sequence
 
 from datasets import Dataset
 
@@ -21,21 +26,26 @@ TEMPLATES = {
     "explain": "Explain what the following Python function does:\n\n```python\n{source}\n```",
     "example": "Write a short usage example for `{module}.{qualname}` from the Python standard library:\n\n"
                "```python\n{stub}\n```",
+    "complete": "Complete the following Python function.\n\n{stub}\n",
 }
+KINDS = ("implement", "explain", "example")  # the default set (the shipped text's first part); "complete" is opt-in
 
 
-def stdlib_tasks(limit: int | None = None, seed: int = 0) -> Dataset:
-    """Rows {id: "json/decoder.py:JSONDecoder.decode:implement", messages: [one user turn]}, shuffled by `seed`
-    from one deterministic order, so the first `limit` rows are a varied sample."""
+def stdlib_tasks(limit: int | None = None, seed: int = 0, kinds: Sequence[str] = KINDS) -> Dataset:
+    """Rows {id: "json/decoder.py:JSONDecoder.decode:implement", messages: [one user turn]} of the template `kinds`,
+    shuffled by `seed` from one deterministic order, so the first `limit` rows are a varied sample."""
+    unknown = sorted(set(kinds) - set(TEMPLATES))
+    if unknown:
+        raise ValueError(f"unknown stdlib task kinds {unknown}; choose from {sorted(TEMPLATES)}")
     root, files = stdlib_files()
-    rows = [row for path in files for row in _file_tasks(path, path.relative_to(root).as_posix())]
+    rows = [row for path in files for row in _file_tasks(path, path.relative_to(root).as_posix(), kinds)]
     random.Random(seed).shuffle(rows)
     rows = rows[:limit]
     return Dataset.from_dict({"id": [r[0] for r in rows],
                               "messages": [[{"role": "user", "content": r[1]}] for r in rows]})
 
 
-def _file_tasks(path: Path, rel: str) -> list[tuple[str, str]]:
+def _file_tasks(path: Path, rel: str, kinds: Sequence[str]) -> list[tuple[str, str]]:
     """(id, request) pairs for the public documented functions of one file, in source order."""
     text = path.read_text(encoding="utf-8", errors="replace")
     try:
@@ -54,10 +64,12 @@ def _file_tasks(path: Path, rel: str) -> list[tuple[str, str]]:
         fields = {"module": module, "qualname": qualname, "stub": _stub(fn),
                   "what": f"method of the `{cls}` class" if cls else "function",
                   "source": textwrap.dedent("\n".join(lines[start - 1 : fn.end_lineno]))}
-        for kind, template in TEMPLATES.items():
+        for kind in kinds:
             if kind == "explain" and len(fields["source"]) > MAX_CHARS:
                 continue
-            tasks.append((f"{rel}:{qualname}:{kind}", template.format(**fields)))
+            if kind == "complete" and cls:  # a method's body needs its class: only functions stand alone
+                continue
+            tasks.append((f"{rel}:{qualname}:{kind}", TEMPLATES[kind].format(**fields)))
     return tasks
 
 
