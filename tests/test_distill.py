@@ -148,6 +148,16 @@ def test_distilled_source_trains_through_the_data_module(prompts, tiny, tmp_path
     assert len(dm.blocks["train"]) > 5 and next(iter(dm.train_dataloader()))["input_ids"].shape == (2, 16)
 
 
+def test_distilled_source_keeps_only_the_kinds_asked_for(prompts, tiny, tmp_path):
+    kinds = prompts.map(lambda r, i: {"id": f"f.py:fn{i}:{'complete' if i % 3 else 'explain'}"}, with_indices=True)
+    run(kinds, tiny, tmp_path / "d")
+    assert len(distilled(str(tmp_path / "d"))) == 10
+    done = distilled(str(tmp_path / "d"), kinds=["complete"])
+    assert len(done) == 6 and done.column_names == ["messages"]
+    with pytest.raises(ValueError, match="no distilled rows of kinds"):
+        distilled(str(tmp_path / "d"), kinds=["example"])
+
+
 def test_distill_config_composes_and_runs_on_chat_rows(tiny, tmp_path):
     cfg = compose_train([], tmp_path, config_name="distill")
     assert cfg.prompts._target_ == "specdec.data.stdlib_tasks.stdlib_tasks"

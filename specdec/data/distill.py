@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -106,10 +106,17 @@ def load_distilled(out_dir: str | Path) -> Dataset:
     return concatenate_datasets([load_from_disk(str(p)) for p in shards])
 
 
-def distilled(path: str | None = None) -> Dataset:
+def distilled(path: str | None = None, kinds: Sequence[str] | None = None) -> Dataset:
     """Data-module source: the distilled conversations as `messages` (rendered with the base's chat template).
-    `path`: a distill out_dir, or a shipped .jsonl.gz; None = the set shipped in the package."""
-    return load_distilled(path or SHIPPED).select_columns(["messages"])
+    `path`: a distill out_dir, or a shipped .jsonl.gz; None = the set shipped in the package. `kinds`: keep only
+    the rows of these stdlib_tasks kinds (the id's last field, e.g. ["complete"]); None = every row."""
+    ds = load_distilled(path or SHIPPED)
+    if kinds is not None:
+        wanted = set(kinds)
+        ds = ds.filter(lambda i: i.rsplit(":", 1)[-1] in wanted, input_columns="id")
+        if not len(ds):
+            raise ValueError(f"no distilled rows of kinds {sorted(wanted)} in {path or SHIPPED}")
+    return ds.select_columns(["messages"])
 
 
 def check_base(base: Base, path: str | None = None) -> None:
