@@ -21,14 +21,15 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q tests
 
-# The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text,
-# the prophet drafter (EAGLE-style, draft vocab 8192) trained from it within a wall-clock budget, then HumanEval:
-# the drafter next to our plain AR loop and HF generate, same run; prints the table. Each run: logs/demo/<time>/.
+# The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
+# completion-format answers (stdlib functions, the format HumanEval asks in), the prophet drafter (EAGLE-style, draft
+# vocab 8192) trained from it within a wall-clock budget, then HumanEval: the drafter next to our plain AR loop and
+# HF generate, same run; prints the table. Each run: logs/demo/<time>/.
 DEMO_BLOCKS ?= 400
 demo: setup
 	@run=logs/demo/$$(date +%Y-%m-%d_%H-%M-%S); \
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features max_train_blocks=$(DEMO_BLOCKS) \
-	    out_dir=$$PWD/$$run/features/cache hydra.run.dir=$$run/features && \
+	    'data.source.kinds=[complete]' out_dir=$$PWD/$$run/features/cache hydra.run.dir=$$run/features && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo data.path=$$PWD/$$run/features/cache \
 	    hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
