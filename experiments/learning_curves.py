@@ -3,7 +3,7 @@ val/expected_tau: the same from Σ_v min(p, q)) against training tokens, one lin
 
     .venv/bin/python experiments/learning_curves.py logs/recipe/prophet logs/recipe/medusa [--out experiments/results/learning_curves]
 
-Each argument is a train.py run dir (its csv/ logger output); the label is the run's drafter family."""
+Each argument is a train.py run dir (its csv/ logger output); the label is the run's drafter family and dir name."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main() -> None:
             continue
         for ax, metric in zip(axes, METRICS):
             pts = [(r["tokens"] / 1e6, r[metric]) for r in rows if metric in r]
-            ax.plot(*zip(*pts), "o-", ms=3, label=label)
+            ax.plot(*zip(*pts), "o-", ms=3, label=f"{label} ({run.name})")  # two runs of one family differ
         table += [{"run": str(run), "drafter": label, **r} for r in rows]
     for ax, metric in zip(axes, METRICS):
         ax.set(xlabel="training tokens (M)", ylabel=metric, title=metric.replace("val/", "predicted τ: "))
