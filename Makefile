@@ -44,7 +44,7 @@ DISTILL_SHARDS ?= 10
 DISTILL := OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
 distill: setup
 	$(DISTILL) max_shards=$(DISTILL_SHARDS) hydra.run.dir=logs/distill/general
-	$(DISTILL) 'prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete \
+	$(DISTILL) '+prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete \
 	    ship_to=specdec/data/shipped/stdlib_tasks.jsonl.gz "ship_command='make distill DISTILL_SHARDS=$(DISTILL_SHARDS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
