@@ -36,6 +36,7 @@ from tqdm import tqdm
 from specdec.base import Base
 from specdec.checkpoint import write_json
 from specdec.data.prompts import render_chat
+from specdec.data.stdlib_tasks import task_kind
 from specdec.sampling.decode import SamplerConfig, generate
 
 ENGINES = ("specdec", "hf")  # our decode loop with no drafter | transformers' generate with left padding
@@ -113,7 +114,7 @@ def distilled(path: str | None = None, kinds: Sequence[str] | None = None) -> Da
     ds = load_distilled(path or SHIPPED)
     if kinds is not None:
         wanted = set(kinds)
-        ds = ds.filter(lambda i: i.rsplit(":", 1)[-1] in wanted, input_columns="id")
+        ds = ds.filter(lambda i: task_kind(i) in wanted, input_columns="id")
         if not len(ds):
             raise ValueError(f"no distilled rows of kinds {sorted(wanted)} in {path or SHIPPED}")
     return ds.select_columns(["messages"])

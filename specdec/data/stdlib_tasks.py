@@ -45,6 +45,11 @@ def stdlib_tasks(limit: int | None = None, seed: int = 0, kinds: Sequence[str] =
                               "messages": [[{"role": "user", "content": r[1]}] for r in rows]})
 
 
+def task_kind(task_id: str) -> str:
+    """The template kind of a row id ("json/decoder.py:JSONDecoder.decode:implement" -> "implement")."""
+    return task_id.rsplit(":", 1)[-1]
+
+
 def _file_tasks(path: Path, rel: str, kinds: Sequence[str]) -> list[tuple[str, str]]:
     """(id, request) pairs for the public documented functions of one file, in source order."""
     text = path.read_text(encoding="utf-8", errors="replace")
