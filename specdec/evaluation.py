@@ -30,6 +30,7 @@ from specdec.sampling.kernels import cpu_model
 from specdec.sampling.metrics import prompt_metrics
 
 AR = "ar (ours)"
+LOOKUP = "lookup (ours)"  # n-gram lookup alone, no drafter
 HF_PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
 
 
@@ -109,11 +110,19 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 # -- methods ---------------------------------------------------------------------------------------
 def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler: SamplerConfig) -> list[Method]:
-    ar_cfg = replace(sampler, tree="chain")
+    ar_cfg = replace(sampler, tree="chain", lookup_tokens=0)
     methods = [Method(AR, _ours(base, None, ar_cfg, cfg.seed), True, batch=cfg.batch_size)]
+    # With n-gram lookup on (sampler.lookup_tokens), each drafter runs with and without it, and lookup alone is a
+    # method of its own: what the trained drafter adds to free lookup, and the reverse, side by side.
+    plain = replace(sampler, lookup_tokens=0)
     for name, d in drafters.items():
         gamma = sampler.gamma if sampler.tree == "chain" else None
-        methods.append(Method(name, _ours(base, d, sampler, cfg.seed), sampler.lossless, gamma, cfg.batch_size))
+        methods.append(Method(name, _ours(base, d, plain, cfg.seed), sampler.lossless, gamma, cfg.batch_size))
+        if sampler.lookup_tokens:
+            methods.append(Method(f"{name}+lookup", _ours(base, d, sampler, cfg.seed), sampler.lossless,
+                                  batch=cfg.batch_size))
+    if sampler.lookup_tokens:
+        methods.append(Method(LOOKUP, _ours(base, None, sampler, cfg.seed), sampler.lossless, batch=cfg.batch_size))
     hf = {
         "hf_generate": {},
         "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens},
@@ -455,10 +464,15 @@ def _device_name(device: torch.device) -> str:
 
 def _draft_desc(s: SamplerConfig) -> str:
     if s.tree == "chain":
-        return f"chain γ={s.gamma}"
-    if s.tree == "static":
-        return f"static tree ({len(s.paths or [])} paths)"
-    return f"dynamic tree (depth {s.dynamic_depth}, top-{s.dynamic_topk}, budget {s.dynamic_budget})"
+        desc = f"chain γ={s.gamma}"
+    elif s.tree == "static":
+        desc = f"static tree ({len(s.paths or [])} paths)"
+    else:
+        desc = f"dynamic tree (depth {s.dynamic_depth}, top-{s.dynamic_topk}, budget {s.dynamic_budget})"
+    if s.lookup_tokens:
+        desc += (f"; +lookup rows: n-gram lookup ({s.lookup_min_ngram}-{s.lookup_max_ngram}-grams, up to "
+                 f"{s.lookup_tokens} tokens) takes the rounds it matches")
+    return desc
 
 
 def _nanmean(xs: list[float]) -> float:

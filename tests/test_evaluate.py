@@ -32,6 +32,21 @@ def _cfg(tmp_path, overrides):
             "sampler.max_new_tokens=12", "hf.early_exit_layer=1", "wandb.mode=offline", *overrides])
 
 
+
+def test_lookup_runs_each_drafter_with_and_without_it_and_alone(tmp_path, questions):
+    tiny = tiny_base()
+    save_drafter(Medusa(tiny, num_heads=3), tmp_path / "medusa")
+    cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
+                          "sampler.gamma=3", "sampler.eos_token_id=[]", "sampler.max_new_tokens=24",
+                          "sampler.lookup_tokens=4", "sampler.lookup_min_ngram=1", "peers=[]"])
+    report = evaluate(cfg)
+    rows = {r["method"]: r for r in report["rows"]}
+    assert list(rows) == ["ar (ours)", "medusa", "medusa+lookup", "lookup (ours)"]
+    assert all(r["greedy_identical"] for r in rows.values())
+    assert "leviathan" in rows["medusa"] and "leviathan" not in rows["medusa+lookup"]  # mixed rounds: no γ model
+    assert rows["lookup (ours)"]["tau"] > 1.0  # the tiny base's answers repeat themselves: lookup rounds were taken
+    assert "lookup" in report["header"]["draft"]
+
 def test_evaluate_end_to_end(tmp_path, questions):
     tiny = tiny_base()
     save_drafter(Medusa(tiny, num_heads=3), tmp_path / "medusa")

@@ -88,14 +88,18 @@ class DraftModel(Drafter):
 
     # -- sampling ------------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
-        return {"prefill": True}
+        return {"reread": True}
+
+    def skip_round(self, state) -> None:
+        state["reread"] = True
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
         # After the prefill, the draft model reads the whole prompt. After a round, its store already holds every
         # committed token but each row's deepest accepted node: the nodes above it were expanded as its ancestors
         # (and moved into place by the sampler); only the deepest may be an unexpanded leaf. So it re-runs from the
         # shallowest such node on: at most the last token of a chain whose every draft was accepted.
-        start = 0 if state.pop("prefill", False) else int(n_new.min()) - 1
+        # After a lookup round (skip_round) nothing was expanded: it reads every committed token, as after the prefill.
+        start = 0 if state.pop("reread", False) else int(n_new.min()) - 1
         ctx.run_model(self.lm.model, tokens[:, start:], STORE)
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,

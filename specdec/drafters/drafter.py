@@ -112,6 +112,10 @@ class Drafter(nn.Module):
         """Per-generation scratch state (e.g. the last base feature of each row)."""
         return {}
 
+    def skip_round(self, state: Any) -> None:
+        """The sampler proposed this round without the drafter (n-gram lookup): `expand` did not run, so the next
+        `observe` may not rely on anything expand writes (a drafter that keeps its drafts' keys re-reads them)."""
+
     def observe(
         self, state: Any, ctx: DraftContext, feats: Features, tokens: torch.Tensor, n_new: torch.Tensor,
         next_token: torch.Tensor,

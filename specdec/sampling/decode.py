@@ -14,6 +14,7 @@ from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.kernels import measured_kernels
+from specdec.sampling.lookup import lookup_round, ngram_proposal
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
 
 
@@ -41,6 +42,12 @@ class SamplerConfig:
     adaptive_step: float = 0.01
     adaptive_decay: float = 0.9
     cpu_kernels: str = "measured"  # CPU only: measured = fastest matmul kernel per shape and rows (kernels.py); stock
+    # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
+    # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the
+    # rounds without a match are plain decoding steps.
+    lookup_tokens: int = 0
+    lookup_min_ngram: int = 2
+    lookup_max_ngram: int = 3
 
     def __post_init__(self) -> None:
         """One-line errors for settings that would otherwise fail deep in a decode loop (or silently)."""
@@ -61,6 +68,9 @@ class SamplerConfig:
              f"adaptive_target must be in (0, 1) or null, got {self.adaptive_target}"),
             (self.adaptive_step > 0 and 0 <= self.adaptive_decay < 1, f"adaptive_step must be > 0 and adaptive_decay "
              f"in [0, 1), got {self.adaptive_step} and {self.adaptive_decay}"),
+            (self.lookup_tokens >= 0 and 1 <= self.lookup_min_ngram <= self.lookup_max_ngram,
+             f"lookup_tokens must be >= 0 and 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_tokens}, "
+             f"{self.lookup_min_ngram} and {self.lookup_max_ngram}"),
             (not self.adaptive or self.tree == "chain",
              f"adaptive draft length needs tree=chain (a {self.tree} tree's shape is fixed per round)"),
         ]
@@ -89,6 +99,7 @@ class GenerationResult:
     step_draft_s: list[float] = field(default_factory=list)  # per round: drafting (expand + observe)
     step_verify_s: list[float] = field(default_factory=list)  # per round: the base verify forward
     step_overhead_s: list[float] = field(default_factory=list)  # per round: acceptance, rollback, bookkeeping
+    lookup_rounds: int = 0  # rounds proposed by n-gram lookup instead of the drafter
 
     @property
     def decode_s(self) -> float:
@@ -164,10 +175,25 @@ def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cf
 
 def _max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
     if drafter is None:
-        return 1
-    if cfg.tree == "dynamic":
-        return 1 + cfg.dynamic_depth * cfg.dynamic_topk * cfg.dynamic_topk
-    return 1 + (cfg.gamma if cfg.tree == "chain" else len(close_paths(cfg.paths or [])))
+        drafted = 0
+    elif cfg.tree == "dynamic":
+        drafted = cfg.dynamic_depth * cfg.dynamic_topk * cfg.dynamic_topk
+    else:
+        drafted = cfg.gamma if cfg.tree == "chain" else len(close_paths(cfg.paths or []))
+    return 1 + max(drafted, cfg.lookup_tokens)
+
+
+def _lookup(cfg: SamplerConfig, prompt_ids: list[list[int]], out: list[list[int]], rows: list[int],
+            done: list[bool], root: torch.Tensor) -> Round | None:
+    """An n-gram lookup round when every row still decoding has a match (history: prompt + answer so far, the
+    root last); None otherwise (the drafter, or a plain step, takes the round). Finished rows ride along."""
+    if not cfg.lookup_tokens:
+        return None
+    proposals = [ngram_proposal(prompt_ids[row] + out[row], cfg.lookup_tokens, cfg.lookup_min_ngram,
+                                cfg.lookup_max_ngram) for row in rows]
+    if not all(p or done[row] for p, row in zip(proposals, rows)) or not any(proposals):
+        return None
+    return lookup_round(root, [p or [0] for p in proposals])
 
 
 def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform):
@@ -221,7 +247,8 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
              cfg: SamplerConfig = SamplerConfig(),
              generator: torch.Generator | list[torch.Generator] | None = None) -> GenerationResult:
     """Decode every prompt (ragged lengths) with `drafter` (None = plain autoregressive). `generator`: one for
-    the batch, or one per row (then row b's output equals its output alone)."""
+    the batch, or one per row (then row b's output equals its output alone, unless n-gram lookup is on: whether a
+    round is a lookup round depends on every row of the batch)."""
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     with measured_kernels(base, *([drafter] if drafter is not None else [])) if fast else nullcontext():
         return _generate(base, prompt_ids, drafter, cfg, generator)
@@ -275,7 +302,13 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     # -- rounds ---------------------------------------------------------------------------------
     while not all(done):
         t0 = _now(dev)
-        if drafter is None:
+        rnd = _lookup(cfg, prompt_ids, out, rows, done, root)
+        looked_up = rnd is not None
+        if looked_up:
+            result.lookup_rounds += 1
+            if drafter is not None:
+                drafter.skip_round(state)
+        elif drafter is None:
             rnd = Round(root[:, None], torch.tensor([-1]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
                         torch.tensor([0]))
         else:
@@ -304,7 +337,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                 accepted[row].append(n_acc_host[i])
                 drafted[row].append(proposed[i])
                 emit(row, block[i][: n_acc_host[i]] + [block[i][-1]])
-        if length is not None:
+        if length is not None and not looked_up:  # the drafter's own acceptance rate steers its draft length
             length.update(sum(a for a, act in zip(n_acc_host, active) if act),
                           sum(g for g, act in zip(proposed, active) if act))
         n_new_host = [0 if done[row] else k + 1 for k, row in zip(n_acc_host, rows)]  # finished rows stay put

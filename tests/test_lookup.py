@@ -1,0 +1,118 @@
+"""N-gram lookup drafting in the sampler: what it proposes, greedy identity alone and beside every family (its
+rounds interleaved with the drafter's, so a drafter's state must survive rounds it did not draft), and Monte-Carlo
+losslessness at T = 1."""
+
+import pytest
+import torch
+
+from sampling_stubs import Table, micro_base
+from specdec.base import tiny_base
+from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.early_exit import EarlyExit
+from specdec.drafters.hydra import Hydra
+from specdec.drafters.layer_skip import LayerSkip
+from specdec.drafters.medusa import Medusa
+from specdec.drafters.prophet import Prophet
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.lookup import lookup_round, ngram_proposal
+from test_sampling_mc import chi_square_pvalue
+
+# prompts whose greedy answers (tiny base, seed 0) fall into cycles after a few tokens: lookup rounds come once
+# both rows have a match (a batch takes a lookup round only then), drafter rounds before
+PROMPTS = [[5, 17, 42, 8, 5, 17, 42, 9, 5, 17], [89, 40, 167, 53, 164, 5, 89, 40, 167]]
+NEW = 24
+
+
+def test_proposal_follows_the_most_recent_occurrence_of_the_longest_ngram():
+    h = [1, 2, 3, 9, 2, 3, 7, 8, 4, 2, 3]
+    assert ngram_proposal(h, 4, 1, 3) == [7, 8, 4, 2]  # "2 3" last seen before 7; "9 2 3"/"4 2 3" never recur
+    assert ngram_proposal(h, 1, 1, 3) == [7]
+    assert ngram_proposal([1, 2, 3, 1, 2, 3, 5, 1, 2, 3], 3, 1, 3) == [5, 1, 2]  # 3-gram wins, most recent
+    assert ngram_proposal([4, 1, 2, 5, 1, 2], 2, 2, 2) == [5, 1]
+    assert ngram_proposal([4, 1, 2, 5, 6, 2], 2, 2, 3) == []  # only a 1-gram recurs, below min_ngram
+    assert ngram_proposal([4, 1, 2, 5, 6, 2], 2, 1, 3) == [5, 6]
+    assert ngram_proposal([7], 4, 1, 3) == [] and ngram_proposal([3, 3], 4, 1, 1) == [3]
+
+
+def test_round_limits_each_row_to_its_own_proposal():
+    rnd = lookup_round(torch.tensor([10, 20]), [[1, 2, 3], [4]])
+    assert rnd.tokens.tolist() == [[10, 1, 2, 3], [20, 4, 4, 4]]
+    assert rnd.parents.tolist() == [-1, 0, 1, 2] and rnd.depth.tolist() == [0, 1, 2, 3]
+    assert rnd.drafted() == [3, 1] and rnd.present().tolist() == [[True] * 4, [True, True, False, False]]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def plain(base):
+    return generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=NEW, eos_token_id=[])).tokens
+
+
+FAMILIES = {
+    "none": lambda b: None,
+    "medusa": lambda b: Medusa(b, num_heads=3),
+    "hydra": lambda b: Hydra(b, num_heads=3),
+    "prophet": lambda b: Prophet(b, unroll_steps=3),
+    "early_exit": lambda b: EarlyExit(b, exit_layers=[1], num_extra_layers=1),
+    "draft_model": lambda b: DraftModel(b, num_layers=1),  # keeps its drafts' keys: must re-read after a skip
+    "layer_skip": lambda b: LayerSkip(b, skip_layers=[1]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("min_ngram", [1, 2])
+def test_greedy_identity_with_lookup_rounds_between_drafter_rounds(base, plain, family, min_ngram):
+    torch.manual_seed(0)
+    drafter = FAMILIES[family](base)
+    if drafter is not None:
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        drafter.eval()
+    cfg = SamplerConfig(max_new_tokens=NEW, eos_token_id=[], gamma=3, lookup_tokens=4, lookup_min_ngram=min_ngram)
+    r = generate(base, PROMPTS, drafter, cfg)
+    assert torch.equal(r.tokens, plain)
+    rounds = len(r.step_verify_s)
+    assert 0 < r.lookup_rounds < rounds  # both kinds of round ran
+    assert all(g <= 4 for row in r.drafted for g in row)
+
+
+def test_a_batch_takes_a_lookup_round_only_when_every_row_has_a_match(base):
+    cfg = SamplerConfig(max_new_tokens=NEW, eos_token_id=[], gamma=2, lookup_tokens=4, lookup_min_ngram=2)
+    drafter = Medusa(base, num_heads=2)
+    never = [48, 129, 32, 30, 230, 4]  # its answer has no repeated 2-gram in its first 24 tokens
+    assert generate(base, [never], drafter, cfg).lookup_rounds == 0
+    assert generate(base, PROMPTS[:1], drafter, cfg).lookup_rounds > 0
+    assert generate(base, [PROMPTS[0], never], drafter, cfg).lookup_rounds == 0
+
+
+def test_off_by_default_and_checked():
+    assert SamplerConfig().lookup_tokens == 0
+    with pytest.raises(ValueError, match="lookup_min_ngram"):
+        SamplerConfig(lookup_tokens=4, lookup_min_ngram=3, lookup_max_ngram=2)
+
+
+# -- Monte Carlo (SPEC.md §6): 10^5 rows at T = 1, first three tokens against the exact joint --------------------------
+N, MC_PROMPT, TOKENS = 100_000, [0, 1, 2, 3, 4, 5, 0], 3  # every token recurs: every row has a 1-gram match
+
+
+def exact_joint(base) -> torch.Tensor:
+    v = base.vocab_size
+    seqs = torch.cartesian_prod(torch.arange(v), torch.arange(v))  # [V², 2]
+    ids = torch.cat([torch.tensor(MC_PROMPT).expand(len(seqs), -1), seqs], 1)
+    logp = base(ids).double().log_softmax(-1)[:, len(MC_PROMPT) - 1 :]  # [V², 3, V]
+    x1, x2 = seqs[:, 0], seqs[:, 1]
+    joint = logp[:, 0].gather(1, x1[:, None]) + logp[:, 1].gather(1, x2[:, None]) + logp[:, 2]  # [V², V]
+    return joint.exp().view(v, v, v)
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_monte_carlo_lossless(with_drafter):
+    micro = micro_base()
+    cfg = SamplerConfig(max_new_tokens=TOKENS, temperature=1.0, eos_token_id=[], lookup_tokens=2, lookup_min_ngram=1)
+    r = generate(micro, [MC_PROMPT] * N, Table(micro) if with_drafter else None, cfg, torch.Generator().manual_seed(0))
+    assert r.lookup_rounds >= 1
+    assert chi_square_pvalue(r.tokens, exact_joint(micro)) > 1e-3
