@@ -26,7 +26,7 @@ test: setup
 # vocab 8192) trained from it within a wall-clock budget, then HumanEval: the drafter (chain γ=2, the cheap verify
 # block on a 2-core CPU) alone and with n-gram lookup rounds, lookup alone, our plain AR loop and HF generate, same
 # run; prints the table. Each run: logs/demo/<time>/.
-DEMO_BLOCKS ?= 360
+DEMO_BLOCKS ?= 320
 demo: setup
 	@run=logs/demo/$$(date +%Y-%m-%d_%H-%M-%S); \
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features max_train_blocks=$(DEMO_BLOCKS) \
