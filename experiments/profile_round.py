@@ -1,0 +1,60 @@
+"""Where a decode round's time goes: our AR loop against a trained drafter's rounds, in the sampler as it runs.
+
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/profile_round.py logs/recipe/prophet_complete/drafter [--gamma 2]
+
+For a few HumanEval prompts (T = 0, chain γ, the measured kernels): the median verify and draft time per round, and
+v = verify / AR step measured in decode (bench_ar.py's verify-cost curve times a bare forward between other
+forwards); then torch.profiler over one prompt each, the ops with the most self CPU time per round. It answers
+"is it the GEMMs or the framework" for this machine, and how a verify of γ+1 tokens compares with an AR step."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec.base import load_base  # noqa: E402
+from specdec.checkpoint import load_drafter  # noqa: E402
+from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
+from specdec.sampling.kernels import machine_key  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("drafter", help="a drafter checkpoint dir (train.py's <run>/drafter)")
+    ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--top", type=int, default=15, help="ops listed per profile")
+    args = ap.parse_args()
+    base = load_base(device="cpu")
+    drafter = load_drafter(args.drafter, base)
+    prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
+               for it in humaneval(args.prompts + 1)]
+    ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, gamma=args.gamma)
+    generate(base, prompts[:1], None, ar), generate(base, prompts[:1], drafter, spec)  # warm-up (kernel table too)
+    print(f"[{machine_key()}] γ = {args.gamma}; ms per round, medians")
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    for p in prompts[1:]:  # one prompt at a time, AR and the drafter back to back: drift hits both alike
+        a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+        tau = (sum(r.accepted[0]) + len(r.accepted[0])) / len(r.accepted[0])
+        print(f"AR step {ms(a.step_verify_s):.1f} | drafter: verify {ms(r.step_verify_s):.1f} "
+              f"(v = {statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s):.2f}), "
+              f"draft {ms(r.step_draft_s):.1f}, τ {tau:.2f}")
+    for name, d, cfg in (("AR", None, ar), ("drafter", drafter, spec)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = generate(base, prompts[1:2], d, cfg)
+        n = len(r.step_verify_s)
+        print(f"\n{name}: {n} rounds, {1e3 * (r.total_s - r.ttft_s) / n:.1f} ms a round; self CPU time per round:")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]:
+            print(f"  {e.key[:44]:44s} {e.self_cpu_time_total / 1e3 / n:7.2f} ms  {e.count / n:7.1f} calls")
+
+
+if __name__ == "__main__":
+    main()
