@@ -1,6 +1,7 @@
 """Where a decode round's time goes: our AR loop against a trained drafter's rounds, in the sampler as it runs.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/profile_round.py logs/recipe/prophet_complete/drafter [--gamma 2]
+    ... --compare-kernels   # v(γ+1) with one kernel forced for every row count above 1, against the measured choice
 
 For a few HumanEval prompts (T = 0, chain γ, the measured kernels): the median verify and draft time per round, and
 v = verify / AR step measured in decode (bench_ar.py's verify-cost curve times a bare forward between other
@@ -22,7 +23,7 @@ from specdec.base import load_base  # noqa: E402
 from specdec.checkpoint import load_drafter  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling.kernels import machine_key  # noqa: E402
+from specdec.sampling.kernels import CANDIDATES, default_table, machine_key  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--top", type=int, default=15, help="ops listed per profile")
+    ap.add_argument("--compare-kernels", action="store_true")
     args = ap.parse_args()
     base = load_base(device="cpu")
     drafter = load_drafter(args.drafter, base)
@@ -47,6 +49,9 @@ def main() -> None:
         print(f"AR step {ms(a.step_verify_s):.1f} | drafter: verify {ms(r.step_verify_s):.1f} "
               f"(v = {statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s):.2f}), "
               f"draft {ms(r.step_draft_s):.1f}, τ {tau:.2f}")
+    if args.compare_kernels:
+        compare_kernels(base, drafter, prompts[1:], ar, spec)
+        return
     for name, d, cfg in (("AR", None, ar), ("drafter", drafter, spec)):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             r = generate(base, prompts[1:2], d, cfg)
@@ -54,6 +59,27 @@ def main() -> None:
         print(f"\n{name}: {n} rounds, {1e3 * (r.total_s - r.ttft_s) / n:.1f} ms a round; self CPU time per round:")
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]:
             print(f"  {e.key[:44]:44s} {e.self_cpu_time_total / 1e3 / n:7.2f} ms  {e.count / n:7.1f} calls")
+
+
+def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
+    """v(γ+1) in decode (median verify / median AR step, per prompt) with the measured kernel choice, and with each
+    candidate forced for every row count above 1 (one row keeps its measured kernel, so the AR step is the same)."""
+    table = default_table()
+    measured = {shape: dict(c) for shape, c in table.choice.items()}
+    v: dict[str, list[float]] = {}
+    for _ in range(passes):  # interleaved passes: drift hits every choice alike
+        for kind in ["measured", *CANDIDATES]:
+            for shape, choice in table.choice.items():
+                for rows in choice:
+                    choice[rows] = measured[shape][rows] if kind == "measured" or rows == 1 else kind
+            table._by_rows.clear()  # the per-shape lookup is rebuilt from the edited choice
+            for p in prompts:
+                a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+                v.setdefault(kind, []).append(statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s))
+    table.choice = measured
+    table._by_rows.clear()
+    for kind, vs in v.items():
+        print(f"v({spec.gamma + 1}) with {kind:14s} {statistics.median(vs):.2f}  ({len(vs)} prompt runs)")
 
 
 if __name__ == "__main__":
