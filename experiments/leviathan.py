@@ -1,24 +1,36 @@
-"""Table `leviathan`: α and τ versus the chain length γ for one chain drafter (an early-exit head), measured next to
+"""Table `leviathan`: α and τ versus the chain length γ for one chain drafter, measured next to
 Leviathan et al.'s τ = (1 − α^{γ+1})/(1 − α) and the walltime model with the real verify cost,
 speedup = τ/(v(γ+1) + γc) (SPEC.md §8); v(γ+1) = T_{γ+1}/T_1 and c = draft time per depth / T_1 are measured in
 the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown next to it.
 
-    python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
+    python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
 
-from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup
+The table's own training is a quick early-exit head; any trained chain drafter can take its place:
+    python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet_complete/drafter]'
+    python experiments/leviathan.py --render"""
+
+from specdec.sampling.cost import predicted_speedup
+from specdec.sampling.metrics import token_acceptance
+from specdec.tables import Table, eval_reports, main, tau_and_speedup
 
 
 def build(root):
-    rows = []
+    rows, names = [], set()
     for report in eval_reports(root).values():
-        r = method_row(report, "earlyexit")
-        lev = r["leviathan"]
+        r = next(r for r in report["rows"] if "leviathan" in r)  # the drafter's row (AR and peers have none)
+        names.add(r["method"])
+        lev, g = r["leviathan"], r["leviathan"]["gamma"]
+        alpha = lev.get("alpha_token")
+        if alpha is None:  # a report from before evaluate.py recorded it: the same estimate from its rounds
+            accepted = [int(a) for a, n in r["accept_hist"].items() for _ in range(n)]
+            alpha = token_acceptance(accepted, [g] * len(accepted))
+        tau_model = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0
         alpha_i = r["alpha_i"] + [float("nan")] * 2  # conditional acceptance at draft positions 1, 2, ...
-        rows.append({"gamma": lev["gamma"], "alpha": r["alpha"], "alpha1": alpha_i[0], "alpha2": alpha_i[1],
-                     "tau": lev["measured_tau"],
-                     "tau_model": lev["predicted_tau"], "c": lev["c"], "speedup": lev["measured_speedup"],
-                     "v": lev["verify_cost"], "speedup_model": lev["predicted_speedup"],
-                     "speedup_unit": lev["predicted_speedup_unit_verify"]})
+        rows.append({"gamma": g, "alpha_rate": r["alpha"], "alpha": alpha, "alpha1": alpha_i[0],
+                     "alpha2": alpha_i[1], "tau": lev["measured_tau"], "tau_model": tau_model, "c": lev["c"],
+                     "speedup": lev["measured_speedup"], "v": lev["verify_cost"],
+                     "speedup_model": predicted_speedup(tau_model, g, lev["c"], lev["verify_cost"]),
+                     "speedup_unit": tau_model / (g * lev["c"] + 1)})
     rows.sort(key=lambda r: r["gamma"])
 
     def plot(fig):
@@ -29,11 +41,14 @@ def build(root):
                         [("measured", g, col("speedup"), "o-"), ("τ/(v(γ+1) + γc)", g, col("speedup_model"), "s--"),
                          ("τ/(γc + 1)", g, col("speedup_unit"), "^:")])
 
-    return Table("Leviathan et al.: τ and speedup vs γ (early-exit chain drafter)", rows,
-                 {"gamma": "γ", "alpha": "α", "alpha1": "α₁", "alpha2": "α₂", "tau": "τ measured", "tau_model": "τ model", "c": "c",
-                  "v": "v(γ+1)", "speedup": "speedup measured", "speedup_model": "speedup model",
+    return Table(f"Leviathan et al.: τ and speedup vs γ ({', '.join(sorted(names))}, chain)", rows,
+                 {"gamma": "γ", "alpha_rate": "α̂ = Σa/Σγ", "alpha": "α per token", "alpha1": "α₁", "alpha2": "α₂",
+                  "tau": "τ measured", "tau_model": "τ model", "c": "c", "v": "v(γ+1)", "speedup": "speedup measured", "speedup_model": "speedup model",
                   "speedup_unit": "τ/(γc + 1)"}, plot,
-                 ["α: accepted / drafted over the run at that γ; the model uses that α (i.i.d. across positions). "
+                 ["α̂: accepted / drafted over the run at that γ (SPEC.md §4). α per token: accepted / tokens the "
+                  "verifier decided on (each round's accepted ones and its first rejected one), the maximum-likelihood "
+                  "α of Leviathan's i.i.d. model, which the τ model uses; α̂ counts the tokens after a rejection, never "
+                  "tried, as failures, and would underpredict τ. "
                   "α₁, α₂: acceptance at draft positions 1 and 2 given the earlier ones were accepted. c: measured draft "
                   "time per depth / T_1; v(γ+1): one base forward over γ+1 tokens / over 1 token (same run). The model "
                   "column uses v; τ/(γc + 1) is the paper's, which charges a verify as one base step."])

@@ -27,7 +27,7 @@ from specdec.drafters.drafter import Drafter
 from specdec.sampling.cost import forward_costs, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import cpu_model
-from specdec.sampling.metrics import prompt_metrics
+from specdec.sampling.metrics import prompt_metrics, token_acceptance
 
 AR = "ar (ours)"
 LOOKUP = "lookup (ours)"  # n-gram lookup alone, no drafter
@@ -254,9 +254,10 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             t1 = costs[1]  # one base forward over one token, measured in this run
             c = sum(r.t_draft_s for r in flat) / max(sum(drafted), 1) / t1  # draft cost per drafted token, in T_1
             v = costs[g + 1] / t1  # verify of γ+1 tokens, in T_1
-            tau_pred = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0
+            a_tok = token_acceptance(accepted, drafted)  # the model's α (per decided token), not α̂ = Σa/Σγ
+            tau_pred = (1 - a_tok ** (g + 1)) / (1 - a_tok) if a_tok < 1 else g + 1.0
             row["leviathan"] = {
-                "gamma": g, "c": c, "verify_cost": v, "measured_tau": row["tau"], "predicted_tau": tau_pred,
+                "gamma": g, "alpha_token": a_tok, "c": c, "verify_cost": v, "measured_tau": row["tau"], "predicted_tau": tau_pred,
                 "predicted_speedup": predicted_speedup(tau_pred, g, c, v),
                 # the cost side alone: the measured τ through the same model (α is rarely i.i.d. over positions)
                 "predicted_speedup_measured_tau": predicted_speedup(row["tau"], g, c, v),
@@ -295,15 +296,16 @@ def render_markdown(report: dict, config_yaml: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lev = [r for r in report["rows"] if "leviathan" in r]
     if lev:
-        lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α); speedup = τ/(v(γ+1) + γc), with the "
-                  "verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per depth / T_1 measured in this run "
-                  "(τ/(γc + 1) assumes v = 1)", "",
-                  "| method | γ | α | τ measured | τ predicted | c | v(γ+1) | break-even τ | speedup measured | "
+        lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α) with α per token = accepted / "
+                  "tokens the verifier decided on (each round's accepted ones and its first rejected one); "
+                  "speedup = τ/(v(γ+1) + γc), with the verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per "
+                  "depth / T_1 measured in this run (τ/(γc + 1) assumes v = 1)", "",
+                  "| method | γ | α per token | τ measured | τ predicted | c | v(γ+1) | break-even τ | speedup measured | "
                   "speedup predicted | from measured τ | τ/(γc + 1) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lev:
             v = r["leviathan"]
-            lines.append(f"| {r['method']} | {v['gamma']} | {_f(r['alpha'])} | {_f(v['measured_tau'])} | "
+            lines.append(f"| {r['method']} | {v['gamma']} | {_f(v['alpha_token'])} | {_f(v['measured_tau'])} | "
                          f"{_f(v['predicted_tau'])} | {_f(v['c'])} | {_f(v['verify_cost'])} | {_f(v['break_even_tau'])} | "
                          f"{_f(v['measured_speedup'])}× | {_f(v['predicted_speedup'])}× | "
                          f"{_f(v['predicted_speedup_measured_tau'])}× | {_f(v['predicted_speedup_unit_verify'])}× |")

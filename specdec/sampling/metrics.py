@@ -30,6 +30,16 @@ def prompt_metrics(accepted: list[int], drafted: list[int], num_tokens: int, sec
     }
 
 
+def token_acceptance(accepted: list[int], drafted: list[int]) -> float:
+    """Leviathan et al.'s α, the probability that one draft token is accepted, from chain rounds (a_s accepted of
+    γ_s drafted): accepted tokens / tokens the verifier decided on. A round decides on its a_s accepted tokens plus
+    the one it rejected, if any (a_s < γ_s); the tokens after a rejection were never tried. This is the maximum-
+    likelihood α of Leviathan's i.i.d. model, the α its τ = (1 − α^{γ+1})/(1 − α) expects. The rate α̂ = Σa_s/Σγ_s
+    (SPEC.md §4) counts the untried tokens as failures, so it is lower and that formula underpredicts τ with it."""
+    tried = sum(a + (a < g) for a, g in zip(accepted, drafted))
+    return sum(accepted) / tried if tried else float("nan")
+
+
 def run_metrics(results: list[GenerationResult]) -> dict:
     """Every row of every result (one per prompt at batch 1); means over prompts, pooled rates, time split."""
     prompts = [
