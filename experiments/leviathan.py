@@ -43,12 +43,12 @@ def build(root):
 
     return Table(f"Leviathan et al.: τ and speedup vs γ ({', '.join(sorted(names))}, chain)", rows,
                  {"gamma": "γ", "alpha_rate": "α̂ = Σa/Σγ", "alpha": "α per token", "alpha1": "α₁", "alpha2": "α₂",
-                  "tau": "τ measured", "tau_model": "τ model", "c": "c", "v": "v(γ+1)", "speedup": "speedup measured", "speedup_model": "speedup model",
-                  "speedup_unit": "τ/(γc + 1)"}, plot,
+                  "tau": "τ measured", "tau_model": "τ model", "c": "c", "v": "v(γ+1)", "speedup": "speedup measured",
+                  "speedup_model": "speedup model", "speedup_unit": "τ/(γc + 1)"}, plot,
                  ["α̂: accepted / drafted over the run at that γ (SPEC.md §4). α per token: accepted / tokens the "
-                  "verifier decided on (each round's accepted ones and its first rejected one), the maximum-likelihood "
-                  "α of Leviathan's i.i.d. model, which the τ model uses; α̂ counts the tokens after a rejection, never "
-                  "tried, as failures, and would underpredict τ. "
+                  "verifier decided on (each round's accepted ones and its first rejected one), the maximum-"
+                  "likelihood α of Leviathan's i.i.d. model, which the τ model uses; α̂ counts the tokens after a "
+                  "rejection, never tried, as failures, and would underpredict τ. "
                   "α₁, α₂: acceptance at draft positions 1 and 2 given the earlier ones were accepted. c: measured draft "
                   "time per depth / T_1; v(γ+1): one base forward over γ+1 tokens / over 1 token (same run). The model "
                   "column uses v; τ/(γc + 1) is the paper's, which charges a verify as one base step."])

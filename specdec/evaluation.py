@@ -257,7 +257,8 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             a_tok = token_acceptance(accepted, drafted)  # the model's α (per decided token), not α̂ = Σa/Σγ
             tau_pred = (1 - a_tok ** (g + 1)) / (1 - a_tok) if a_tok < 1 else g + 1.0
             row["leviathan"] = {
-                "gamma": g, "alpha_token": a_tok, "c": c, "verify_cost": v, "measured_tau": row["tau"], "predicted_tau": tau_pred,
+                "gamma": g, "alpha_token": a_tok, "c": c, "verify_cost": v, "measured_tau": row["tau"],
+                "predicted_tau": tau_pred,
                 "predicted_speedup": predicted_speedup(tau_pred, g, c, v),
                 # the cost side alone: the measured τ through the same model (α is rarely i.i.d. over positions)
                 "predicted_speedup_measured_tau": predicted_speedup(row["tau"], g, c, v),
@@ -300,8 +301,8 @@ def render_markdown(report: dict, config_yaml: str) -> str:
                   "tokens the verifier decided on (each round's accepted ones and its first rejected one); "
                   "speedup = τ/(v(γ+1) + γc), with the verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per "
                   "depth / T_1 measured in this run (τ/(γc + 1) assumes v = 1)", "",
-                  "| method | γ | α per token | τ measured | τ predicted | c | v(γ+1) | break-even τ | speedup measured | "
-                  "speedup predicted | from measured τ | τ/(γc + 1) |",
+                  "| method | γ | α per token | τ measured | τ predicted | c | v(γ+1) | break-even τ | "
+                  "speedup measured | speedup predicted | from measured τ | τ/(γc + 1) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lev:
             v = r["leviathan"]
