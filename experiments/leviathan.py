@@ -9,7 +9,7 @@ The table's own training is a quick early-exit head; any trained chain drafter c
     python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet_complete/drafter]'
     python experiments/leviathan.py --render"""
 
-from specdec.sampling.cost import predicted_speedup
+from specdec.sampling.cost import chain_tau, predicted_speedup
 from specdec.sampling.metrics import token_acceptance
 from specdec.tables import Table, eval_reports, main, tau_and_speedup
 
@@ -24,7 +24,7 @@ def build(root):
         if alpha is None:  # a report from before evaluate.py recorded it: the same estimate from its rounds
             accepted = [int(a) for a, n in r["accept_hist"].items() for _ in range(n)]
             alpha = token_acceptance(accepted, [g] * len(accepted))
-        tau_model = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1.0
+        tau_model = chain_tau(alpha, g)
         alpha_i = r["alpha_i"] + [float("nan")] * 2  # conditional acceptance at draft positions 1, 2, ...
         rows.append({"gamma": g, "alpha_rate": r["alpha"], "alpha": alpha, "alpha1": alpha_i[0],
                      "alpha2": alpha_i[1], "tau": lev["measured_tau"], "tau_model": tau_model, "c": lev["c"],

@@ -24,7 +24,7 @@ from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
-from specdec.sampling.cost import forward_costs, predicted_speedup
+from specdec.sampling.cost import chain_tau, forward_costs, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import cpu_model
 from specdec.sampling.metrics import prompt_metrics, token_acceptance
@@ -255,7 +255,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             c = sum(r.t_draft_s for r in flat) / max(sum(drafted), 1) / t1  # draft cost per drafted token, in T_1
             v = costs[g + 1] / t1  # verify of γ+1 tokens, in T_1
             a_tok = token_acceptance(accepted, drafted)  # the model's α (per decided token), not α̂ = Σa/Σγ
-            tau_pred = (1 - a_tok ** (g + 1)) / (1 - a_tok) if a_tok < 1 else g + 1.0
+            tau_pred = chain_tau(a_tok, g)
             row["leviathan"] = {
                 "gamma": g, "alpha_token": a_tok, "c": c, "verify_cost": v, "measured_tau": row["tau"],
                 "predicted_tau": tau_pred,

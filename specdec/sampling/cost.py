@@ -48,6 +48,11 @@ def verify_curve(costs: dict[int, float]) -> dict[int, float]:
     return {n: t / costs[1] for n, t in costs.items()}
 
 
+def chain_tau(alpha: float, gamma: int) -> float:
+    """Leviathan et al.'s τ for a chain of γ with per-token acceptance α: (1 − α^{γ+1}) / (1 − α)."""
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0
+
+
 def predicted_speedup(tau: float, gamma: int, c: float, v: float) -> float:
     """Chain of γ: τ emitted per round that costs v(γ+1) + γ·c AR steps (c = draft cost per depth / T_1)."""
     return tau / (v + gamma * c)
