@@ -22,6 +22,11 @@ FAILED = "failed.json"  # a failed job's error and traceback, in its own run dir
 RESULT = "result.json"  # a finished training job's metrics (train())
 REPORT = "results.json"  # a finished evaluation job's report (evaluate())
 
+# ${if_null:${drafter.uniform},search}: a value, or the given name where it is null; for sweep subdirs over a key whose
+# null means something (OmegaConf's own oc.select returns a null as it is). Registered on import: train.py,
+# evaluate.py and the sweep callback import this module before Hydra resolves a run dir.
+OmegaConf.register_new_resolver("if_null", lambda value, name: name if value is None else value, replace=True)
+
 
 class ConfigError(ValueError):
     """A bad setting that fails every job alike (e.g. an optimized_metric nobody logs): a sweep stops on it."""

@@ -50,7 +50,10 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
 
-def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = None) -> Path:
+def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = None,
+         smoke_train: tuple[str, ...] = (), smoke_eval: tuple[str, ...] = ()) -> Path:
+    """Run the table's two sides and write it. smoke_train / smoke_eval: what the table's smoke variant needs beyond
+    the shared one (e.g. a data set the tiny base can read, fewer search trials)."""
     ap = argparse.ArgumentParser(description=f"Reproduce the `{name}` table", epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny base, seconds (what make test runs)")
@@ -65,7 +68,7 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
     log_dir = next((o.split("=", 1)[1] for o in reversed(both) if o.startswith("paths.log_dir=")), str(ROOT / "logs"))
     root = Path(log_dir) / "experiments" / name
     if args.smoke:
-        train, evals = [*SMOKE_TRAIN, *train], [*SMOKE_EVAL, *evals]
+        train, evals = [*SMOKE_TRAIN, *smoke_train, *train], [*SMOKE_EVAL, *smoke_eval, *evals]
 
     failed = []
     if not args.render:

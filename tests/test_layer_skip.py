@@ -83,6 +83,20 @@ def test_uniform_skip_spreads_evenly():
     assert uniform_skip(4, 2) == (1, 3) and uniform_skip(5, 0) == () and uniform_skip(3, 3) == (0, 1, 2)
 
 
+def test_uniform_is_a_fixed_evenly_spaced_set(base, tmp_path):
+    # drafter.uniform=k is Draft & Verify's baseline: k evenly spaced layers, measured by train.py, not searched; the
+    # checkpoint keeps the layers themselves
+    drafter = LayerSkip(base, uniform=2)
+    assert drafter.fixed and drafter.skip_layers == list(uniform_skip(4, 2))
+    save_drafter(drafter, tmp_path / "d")
+    assert read_meta(tmp_path / "d")["hparams"]["skip_layers"] == [1, 3]
+    assert load_drafter(tmp_path / "d", base).skip_layers == [1, 3]
+    with pytest.raises(ValueError, match="not both"):
+        LayerSkip(base, skip_layers=[1], uniform=1)
+    with pytest.raises(ValueError, match="0..4"):
+        LayerSkip(base, uniform=5)
+
+
 # -- the search ---------------------------------------------------------------------------------------------------
 
 def planted_base(num_layers: int, identity: list[int]) -> torch.nn.Module:

@@ -12,7 +12,8 @@ import pytest
 from conftest import ROOT
 
 # table -> rows its smoke variant must produce
-TABLES = {"drafters": 5, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2}
+TABLES = {"drafters": 5, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
+          "self_speculative": 6, "draft_model": 3}
 
 
 @pytest.mark.parametrize("table", TABLES)

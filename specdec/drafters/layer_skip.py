@@ -51,12 +51,20 @@ class LayerSkip(Drafter):
                            "val/uniform_predicted_speedup", "val/uniform_alpha")
 
     def __init__(self, base: Base, skip_layers: Sequence[int] | None = None, gamma: int = 4,
-                 draft_vocab_size: int | None = None, search: SkipSearch | dict | None = None):
+                 draft_vocab_size: int | None = None, search: SkipSearch | dict | None = None,
+                 uniform: int | None = None):
         search = search if isinstance(search, SkipSearch) else SkipSearch(**(search or {}))
+        n = base.num_layers
+        if uniform is not None:  # Draft & Verify's baseline: that many layers at evenly spaced depths
+            if skip_layers is not None:
+                raise ValueError("give skip_layers or uniform (a number of evenly spaced layers), not both")
+            if not 0 <= uniform <= n:
+                raise ValueError(f"uniform must be a number of layers in 0..{n}, got {uniform}")
+            skip_layers = uniform_skip(n, uniform)
         skip = None if skip_layers is None else sorted({int(l) for l in skip_layers})
+        # uniform is not kept: the checkpoint rebuilds the drafter from skip_layers
         super().__init__(base, skip_layers=skip, gamma=gamma, draft_vocab_size=draft_vocab_size,
                          search=asdict(search))
-        n = base.num_layers
         if skip is not None and any(not 0 <= l < n for l in skip):
             raise ValueError(f"skip_layers must be layers in 0..{n - 1}, got {skip}")
         if gamma < 1:
