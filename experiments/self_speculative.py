@@ -19,21 +19,34 @@ def build(root):
         return Table("Draft & Verify: skipped layers vs α and speedup", [], {})
     # evaluate names repeated drafter classes layerskip, layerskip#1, ... in the order of its drafters list
     methods = [r["method"] for r in report["rows"] if r["method"].startswith("layerskip")]
-    n = report["config"]["base"].get("num_layers")
+    calibrations = {Path(p).parent.name: json.loads((Path(p).parent / "calibration.json").read_text())
+                    for p in report["config"]["drafters"]}
+    # the base's depth: c was timed for 0..n executed layers
+    n = len(next(iter(calibrations.values()))["draft_cost_by_executed_layers"]) - 1 if calibrations else None
+    # The search's trials, best per number of skipped layers: at one size c is the same, so the best set is the one
+    # with the highest α. Set against the uniform set of that size on the same calibration prompts.
+    search = next((c for job, c in calibrations.items() if trained[job]["config"]["drafter"]["uniform"] is None), {})
+    best_of_size: dict[int, dict] = {}
+    for t in search.get("trials", []):
+        k = len(t["skip_layers"])
+        if k not in best_of_size or t["alpha"] > best_of_size[k]["alpha"]:
+            best_of_size[k] = t
     rows = []
     for method, path in zip(methods, report["config"]["drafters"]):
         run, r = trained[Path(path).parent.name], method_row(report, method)
         skip = read_meta(path)["hparams"]["skip_layers"]
-        calib = json.loads((Path(path).parent / "calibration.json").read_text())
+        calib = calibrations[Path(path).parent.name]
         searched = run["config"]["drafter"]["uniform"] is None
-        lev = r.get("leviathan", {})
+        lev, same = r.get("leviathan", {}), best_of_size.get(len(skip))
         rows.append({"set": "searched (TPE)" if searched else "uniform", "skipped": len(skip),
                      "ratio": len(skip) / n if n else None, "layers": " ".join(map(str, skip)),
                      "trials": len(calib["trials"]), "calib_alpha": run["metrics"]["val/alpha"],
                      "calib_speedup": run["metrics"]["val/predicted_speedup"], "alpha": r["alpha"],
                      "alpha_token": lev.get("alpha_token"), "tau": r["tau"], "c": lev.get("c"),
                      "v": lev.get("verify_cost"), "speedup_model": lev.get("predicted_speedup"),
-                     "speedup": r["speedup_vs_ar"]})
+                     "speedup": r["speedup_vs_ar"],
+                     "searched_alpha": None if searched or same is None else same["alpha"],
+                     "searched_layers": None if searched or same is None else " ".join(map(str, same["skip_layers"]))})
     rows.sort(key=lambda r: (r["skipped"], r["set"] != "uniform"))
 
     def plot(fig):
@@ -59,12 +72,15 @@ def build(root):
                  {"set": "skip set", "skipped": "skipped", "ratio": "ratio", "layers": "layers skipped",
                   "trials": "sets tried", "calib_alpha": "α calib.", "calib_speedup": "predicted × (calib.)",
                   "alpha": "α", "alpha_token": "α per token", "tau": "τ", "c": "c", "v": "v(γ+1)",
-                  "speedup_model": "τ/(v + γc)", "speedup": "× AR (ours)"}, plot,
+                  "speedup_model": "τ/(v + γc)", "speedup": "× AR (ours)",
+                  "searched_layers": "search's best set of that size", "searched_alpha": "its α calib."}, plot,
                  [f"{report['header']['draft']}; base {report['header']['base']} ({n} layers). α calib. and "
                   "predicted × (calib.): the search's own measurement on its calibration prompts (held-out stdlib "
                   "code continued by the base), the objective it maximised. α, τ, c (draft time per depth / T_1), "
                   "v(γ+1) and × AR: HumanEval, all skip sets against one AR run; τ/(v + γc) predicts the speedup "
-                  "from α per token with the costs measured in that run."
+                  "from α per token with the costs measured in that run. The last two columns: among the search's trials, the "
+                  "set of the row's size with the highest calibration α (same size, same c: the set it would pick "
+                  "at that ratio), next to the uniform set's α calib."
                   + (f" Fastest: {best['set']}, {best['skipped']} layers skipped, {best['speedup']:.2f}× our AR."
                      if best else "")])
 
