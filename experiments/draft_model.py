@@ -16,7 +16,8 @@ def build(root):
         run = trained.get(f"L{layers}", {})
         metrics = run.get("metrics", {})
         tokens = metrics.get("val/train_tokens")
-        r, lev = method_row(report, "draftmodel"), method_row(report, "draftmodel").get("leviathan", {})
+        r = method_row(report, "draftmodel")
+        lev = r.get("leviathan", {})
         hf = next((x for x in report["rows"] if x["method"] == "hf_assisted"), {})
         rows.append({"layers": layers, "params": run.get("trainable_params"),
                      "tokens": None if tokens is None else int(tokens), "val_top1": metrics.get("val/draft_top1"),
@@ -38,14 +39,16 @@ def build(root):
     header = next(iter(eval_reports(root).values()), {}).get("header", {})
     return Table("Standalone draft model: depth vs α, c and speedup; our sampler vs HF assisted generation", rows,
                  {"layers": "layers", "params": "trainable params", "tokens": "train tokens",
-                  "val_top1": "val top-1", "val_tau": "val τ (predicted)", "alpha": "α", "alpha_token": "α per token",
+                  "val_top1": "val top-1", "val_tau": "val τ (predicted)", "alpha": "α",
+                  "alpha_token": "α per token",
                   "tau": "τ", "c": "c", "v": "v(γ+1)", "tok_s": "tok/s", "speedup": "× AR (ours)",
                   "speedup_model": "τ/(v + γc)", "hf_speedup": "HF assisted × AR (ours)",
                   "ours_vs_hf": "ours / HF assisted"}, plot,
-                 [f"{header.get('draft', '')}; base {header.get('base', '')}. Each depth is its own evaluation job "
-                  "with its own AR baseline (same prompts); HF assisted drafts the same number of tokens a round. "
-                  "c: draft time per depth / T_1; τ/(v + γc): the speedup predicted from α per token and the costs "
-                  "measured in that job. llama.cpp reports 1.8× for a 30B base with a 7B draft."])
+                 [(f"{header['draft']}; base {header['base']}. " if header else "")
+                  + "Each depth is its own evaluation job with its own AR baseline (same prompts); HF assisted "
+                  "drafts the same number of tokens a round. c: draft time per depth / T_1; τ/(v + γc): the speedup "
+                  "predicted from α per token and the costs measured in that job. llama.cpp reports 1.8× for a 30B "
+                  "base with a 7B draft."])
 
 
 if __name__ == "__main__":
