@@ -53,8 +53,9 @@ distill: setup
 features: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
 
-# The paper tables on the embedded default, one after another (each: python experiments/<table>.py). draft_model
-# trains from the completion-format feature cache, built first (resumable; a finished cache is only checked).
+# The paper tables on the embedded default, one after another (each: python experiments/<table>.py). leviathan,
+# medusa_heads, prophet_vs_early_exit and draft_model train their drafters by the recipes from the completion-format
+# feature cache of the shipped text, built first (resumable; a finished cache is only checked).
 TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model
 tables: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \

@@ -5,7 +5,7 @@ the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown n
 
     python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
 
-The table's own training is a quick early-exit head; any trained chain drafter can take its place:
+The table trains the prophet recipe itself (~30 min on 2 cores); any trained chain drafter can take its place:
     python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet_complete/drafter]'
     python experiments/leviathan.py --render"""
 
@@ -55,4 +55,4 @@ def build(root):
 
 
 if __name__ == "__main__":
-    main("leviathan", build)
+    main("leviathan", build, smoke_train=("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64"))

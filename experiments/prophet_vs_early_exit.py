@@ -40,4 +40,5 @@ def build(root):
 
 
 if __name__ == "__main__":
-    main("prophet_vs_early_exit", build)
+    main("prophet_vs_early_exit", build,
+         smoke_train=("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64"))
