@@ -152,6 +152,25 @@ def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     assert (Path(cfg.paths.output_dir) / "drafter" / "drafter.safetensors").exists()
 
 
+RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "experiment" / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_trains_from_a_cache(corpus, tmp_path, recipe):
+    """Each family's recipe (experiment=recipe/<family>) trains from a feature cache as configured: its drafter
+    settings, draft vocab and schedule, on a 10-layer tiny base whose cache stores the layers the recipes read."""
+    base = tiny_base(num_layers=10)
+    cache = tmp_path / "feat"
+    cache_features(text_blocks(corpus, base), base, str(cache), layers=(LAST, 8), topk=16)
+    cfg = compose_train([f"experiment=recipe/{recipe}", "base=tiny", "base.num_layers=10", f"data.path={cache}",
+                         "data.batch_size=2", "drafter.draft_vocab_size=32", "trainer.max_steps=2",
+                         "trainer.max_time=null", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+                         "callbacks.progress_bar.refresh_rate=0"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["val/expected_tau"] >= 1.0 and np.isfinite(metrics["train/loss"])
+    assert (Path(cfg.paths.output_dir) / "drafter" / "drafter.safetensors").exists()
+
+
 def test_features_command_on_the_tiny_base(corpus, tmp_path):
     """python -m specdec.data.features with its yaml: composes, runs, and data=cached reads what it wrote."""
     out = tmp_path / "feat"
