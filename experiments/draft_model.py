@@ -5,7 +5,7 @@ depth is evaluated in its own job against its own AR run.
 
     python experiments/draft_model.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup, train_runs
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
 
 
 def build(root):
@@ -52,6 +52,6 @@ def build(root):
 
 
 if __name__ == "__main__":
-    # the tiny base (a 259-token vocab) trains on raw stdlib code (no feature cache); HF assisted runs in the smoke too
-    main("draft_model", build, smoke_train=("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64"),
+    # HF assisted runs in the smoke too
+    main("draft_model", build, smoke_train=SMOKE_FROM_RAW_CODE,
          smoke_eval=("peers=[hf_assisted]",))

@@ -11,7 +11,7 @@ The table trains the prophet recipe itself (~30 min on 2 cores); any trained cha
 
 from specdec.sampling.cost import chain_tau, predicted_speedup
 from specdec.sampling.metrics import token_acceptance
-from specdec.tables import Table, eval_reports, main, tau_and_speedup
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, tau_and_speedup
 
 
 def build(root):
@@ -55,4 +55,4 @@ def build(root):
 
 
 if __name__ == "__main__":
-    main("leviathan", build, smoke_train=("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64"))
+    main("leviathan", build, smoke_train=SMOKE_FROM_RAW_CODE)

@@ -4,7 +4,7 @@ dynamic tree of depth k, τ and speedup. One 5-head drafter is trained; its firs
 
     python experiments/medusa_heads.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import Table, eval_reports, main, method_row, tau_and_speedup, train_runs
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
 
 
 def build(root):
@@ -36,4 +36,4 @@ def build(root):
 
 
 if __name__ == "__main__":
-    main("medusa_heads", build, smoke_train=("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64"))
+    main("medusa_heads", build, smoke_train=SMOKE_FROM_RAW_CODE)

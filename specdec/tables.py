@@ -37,6 +37,9 @@ SMOKE_TRAIN = [*SMOKE_BASE, "data.source.max_files=6", "data.block_size=32", "da
                "callbacks.progress_bar.refresh_rate=0"]
 SMOKE_EVAL = [*SMOKE_BASE, "prompts.limit=2", "sampler.max_new_tokens=8", "peers=[]", "warmup=false",
               "wandb.enabled=false"]
+# The smoke of a table whose drafters train from the SmolLM2 feature cache: the tiny base (a 259-token vocab) trains
+# on raw stdlib code instead, with a draft vocab that fits its vocabulary.
+SMOKE_FROM_RAW_CODE = ("data=stdlib_code", "~data.path", "drafter.draft_vocab_size=64")
 
 
 @dataclass
