@@ -54,12 +54,15 @@ features: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
 
 # The paper tables on the embedded default, one after another (each: python experiments/<table>.py). leviathan,
-# medusa_heads, prophet_vs_early_exit and draft_model train their drafters by the recipes from the completion-format
-# feature cache of the shipped text, built first (resumable; a finished cache is only checked).
+# medusa_heads, prophet_vs_early_exit, exit_layer and draft_model train their drafters by the recipes from the
+# completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
+# layers last and 8, and for exit_layer layers 2-16.
 TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model
 tables: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[2,4,8,12,16]' \
+	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_exits' hydra.run.dir=logs/features/stdlib_complete_exits
 	for t in $(TABLES); do OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
 
 bench: setup
