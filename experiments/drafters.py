@@ -1,48 +1,64 @@
-"""Table `drafters`: every drafter family trained on the same base, data and step budget, then evaluated in one run
-next to our AR loop and the HF peers (Spec-Bench style; HumanEval by default, or eval:prompts=jsonl
-eval:prompts.path=<Spec-Bench question.jsonl>).
+"""Table `drafters`: every drafter family trained on the same base, data and step budget, then evaluated next to our
+AR loop and the HF peers (Spec-Bench style): on HumanEval and on the non-code question.jsonl, by chain (γ = 4) and by
+dynamic tree, four evaluation runs that each time all their methods in one process. Its runs are also the W1 table
+(python experiments/w1.py --from logs/experiments/drafters/eval).
 
     python experiments/drafters.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import Table, eval_reports, main, train_runs
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, train_runs
 
 RUN = {"medusa": "medusa", "hydra": "hydra", "earlyexit": "early_exit", "prophet": "prophet"}  # method -> train run
+SETS = ("humaneval", "question")
+TREES = ("chain", "dynamic_tree")
 
 
 def build(root):
-    trained, report = train_runs(root), eval_reports(root)[""]
+    trained, reports = train_runs(root), eval_reports(root)
     rows = []
-    for r in report["rows"]:
-        run = trained.get(RUN.get(r["method"], ""), {})
-        rows.append({"method": r["method"], "params": run.get("trainable_params"),
-                     "val_tau": run.get("metrics", {}).get("val/expected_tau"), "tau": r["tau"], "alpha": r["alpha"],
-                     "tok_s": r["tok_per_s"], "vs_ar": r["speedup_vs_ar"], "vs_hf": r["speedup_vs_hf"],
-                     "identical": r["greedy_identical"]})
+    for prompts in SETS:
+        for tree in TREES:
+            report = reports.get(f"{prompts}_{tree}")
+            for r in report["rows"] if report else []:
+                run = trained.get(RUN.get(r["method"], ""), {})
+                lev = r.get("leviathan", {})
+                rows.append({"prompts": prompts, "tree": tree, "method": r["method"],
+                             "params": run.get("trainable_params"),
+                             "val_tau": run.get("metrics", {}).get("val/expected_tau"), "tau": r["tau"],
+                             "alpha": r["alpha"], "c": lev.get("c"), "tok_s": r["tok_per_s"],
+                             "vs_ar": r["speedup_vs_ar"], "vs_hf": r["speedup_vs_hf"],
+                             "identical": r["greedy_identical"]})
 
     def plot(fig):
-        names = [r["method"] for r in rows]
-        ax1, ax2 = fig.subplots(1, 2)
-        ax1.bar(names, [r["vs_ar"] for r in rows], color="#3a7")
-        ax1.axhline(1.0, color="k", lw=0.8)
-        ax1.set(ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
-        drafted = [r for r in rows if r["val_tau"] is not None]
-        ax2.bar([r["method"] for r in drafted], [r["tau"] for r in drafted], color="#37a", label="measured τ")
-        ax2.scatter([r["method"] for r in drafted], [r["val_tau"] for r in drafted], color="k", zorder=3,
-                    label="predicted τ (validation)")
-        ax2.set(ylabel="τ (tokens per base forward)", title="Acceptance")
-        ax2.legend()
-        for ax in (ax1, ax2):
-            ax.tick_params(axis="x", rotation=30)
+        axes = fig.subplots(1, 2)
+        families = [m for m in RUN if any(r["method"] == m for r in rows)]
+        width = 0.8 / max(len(SETS) * len(TREES), 1)
+        for ax, key, label in ((axes[0], "tau", "τ (tokens per base forward)"), (axes[1], "vs_ar", "speedup vs AR (ours)")):
+            for j, (prompts, tree) in enumerate((p, t) for p in SETS for t in TREES):
+                by = {r["method"]: r[key] for r in rows if r["prompts"] == prompts and r["tree"] == tree}
+                xs = [i + (j - 1.5) * width for i in range(len(families))]
+                ax.bar(xs, [by.get(m, float("nan")) for m in families], width, label=f"{prompts}, {tree}")
+            ax.set_xticks(range(len(families)), families)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set(ylabel=label)
+        axes[0].legend(fontsize=7)
+        axes[0].set_title("Acceptance")
+        axes[1].set_title("Wall-clock speedup")
 
-    h = report["header"]
+    h = next(iter(reports.values()))["header"]
+    drafts = sorted({r["header"]["draft"] for r in reports.values()})
+    steps = {run: t["global_step"] for run, t in trained.items()}
     return Table("Drafter families on one base", rows,
-                 {"method": "method", "params": "trainable params", "val_tau": "val τ (predicted)", "tau": "τ",
-                  "alpha": "α", "tok_s": "tok/s", "vs_ar": "× AR (ours)", "vs_hf": "× HF generate",
-                  "identical": "greedy-identical"}, plot,
-                 [f"Base {h['base']}, {h['prompts']} prompts, {h['draft']}, T = {h['temperature']}, "
-                  f"{h['max_new_tokens']} new tokens, {h['device']}. Training: "
-                  f"{next(iter(trained.values()))['global_step']} steps each (see configs/experiment/drafters/)."])
+                 {"prompts": "prompts", "tree": "draft", "method": "method", "params": "trainable params",
+                  "val_tau": "val τ (predicted)", "tau": "τ", "alpha": "α", "c": "c (draft cost / step)",
+                  "tok_s": "tok/s", "vs_ar": "× AR (ours)", "vs_hf": "× HF generate", "identical": "greedy-identical"},
+                 plot,
+                 [f"Base {h['base']}, {h['prompts'].split(' ')[0]} prompts per set, "
+                  f"{' or '.join(drafts)}, T = {h['temperature']}, {h['max_new_tokens']} new tokens, batch 1, "
+                  f"{h['device']}. The HF peers have no trees: they run in the chain runs. Training steps: "
+                  + ", ".join(f"{k} {v}" for k, v in steps.items())
+                  + " (configs/experiment/drafters/train.yaml). c: measured draft cost per drafted token, in AR "
+                  "steps (chain runs)."])
 
 
 if __name__ == "__main__":
-    main("drafters", build)
+    main("drafters", build, smoke_train=SMOKE_FROM_RAW_CODE)

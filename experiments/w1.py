@@ -1,7 +1,9 @@
-"""W1: every drafter on HumanEval and on a non-code question.jsonl, chain γ=4 and dynamic tree, with the peers.
-Runs the evaluations (each resumable: a killed run continues after its finished methods) and collects them into
-experiments/results/w1/w1.{csv,md}.
+"""W1: every drafter on HumanEval and on a non-code question.jsonl, chain γ=4 and dynamic tree, with the peers, into
+experiments/results/w1/w1.{csv,md}. Either runs the evaluations for the given drafters (each resumable: a killed run
+continues after its finished methods), or collects the runs of the `drafters` table, whose evaluation is this
+protocol for its four trained families:
 
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py --from logs/experiments/drafters/eval
     OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py logs/recipe/prophet/drafter [more drafter dirs] \\
         [--prompts 10] [--max-new-tokens 128]"""
 
@@ -15,31 +17,42 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = {"humaneval": [], "question": ["prompts=jsonl", f"prompts.path={ROOT}/experiments/prompts/question.jsonl"]}
-TREES = {"chain": ["sampler=chain", "sampler.gamma=4"], "dynamic": ["sampler=dynamic_tree"]}
+SETS = ("humaneval", "question")  # configs/prompts/<set>.yaml
+TREES = {"chain": ["sampler=chain", "sampler.gamma=4"], "dynamic_tree": ["sampler=dynamic_tree"]}
 COLUMNS = ["method", "prompts", "tree", "tau", "alpha", "tok_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical",
            "break_even_tau", "predicted_speedup", "predicted_from_measured_tau"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("drafters", nargs="+")
+    ap.add_argument("drafters", nargs="*")
+    ap.add_argument("--from", dest="runs", type=Path, help="collect finished runs <set>_<tree> of this dir, run nothing")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--logs", default="logs/w1")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/w1")
     args = ap.parse_args()
+    if not args.drafters and args.runs is None:
+        ap.error("give drafter dirs to evaluate, or --from a dir of finished runs")
+    logs = args.runs or Path(args.logs)
+    if args.runs is None:
+        for prompts in SETS:
+            for tree, t_over in TREES.items():
+                peers = "[hf_generate,hf_prompt_lookup]" if tree == "chain" else "[]"  # peers have no trees
+                cmd = [sys.executable, str(ROOT / "evaluate.py"), f"drafters=[{','.join(args.drafters)}]",
+                       f"prompts={prompts}", f"prompts.limit={args.prompts}",
+                       f"sampler.max_new_tokens={args.max_new_tokens}", f"peers={peers}",
+                       f"hydra.run.dir={logs / f'{prompts}_{tree}'}", *t_over]
+                print("+", " ".join(cmd[1:]), flush=True)
+                subprocess.run(cmd, check=True, cwd=ROOT)
+        command = (f"OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py {' '.join(args.drafters)} "
+                   f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}")
+    else:
+        command = f"OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py --from {args.runs}"
     rows, header = [], None
-    for prompts, p_over in SETS.items():
-        for tree, t_over in TREES.items():
-            run = Path(args.logs) / f"{prompts}_{tree}"
-            peers = "[hf_generate,hf_prompt_lookup]" if tree == "chain" else "[]"  # peers have no trees
-            cmd = [sys.executable, str(ROOT / "evaluate.py"), f"drafters=[{','.join(args.drafters)}]",
-                   f"prompts.limit={args.prompts}", f"sampler.max_new_tokens={args.max_new_tokens}",
-                   f"peers={peers}", f"hydra.run.dir={run}", *p_over, *t_over]
-            print("+", " ".join(cmd[1:]), flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
-            report = json.loads((run / "results.json").read_text())
+    for prompts in SETS:
+        for tree in TREES:
+            report = json.loads((logs / f"{prompts}_{tree}" / "results.json").read_text())
             header = header or report["header"]
             for r in report["rows"]:
                 lev = r.get("leviathan", {})
@@ -54,11 +67,10 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
-    command = (f"OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py {' '.join(args.drafters)} "
-               f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}")
     md = [f"# W1: drafters on HumanEval and question.jsonl", "", f"`{command}`", "",
           f"{header['device']}, {header['dtype']}, {header['threads']} threads, T = {header['temperature']}, "
-          f"{args.prompts} prompts per set, {args.max_new_tokens} new tokens, batch 1, torch {header['torch']}.", "",
+          f"{header['prompts'].split(' ')[0]} prompts per set, {header['max_new_tokens']} new tokens, batch 1, "
+          f"torch {header['torch']}.", "",
           "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     md += ["| " + " | ".join("—" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
                              for c in COLUMNS) + " |" for r in rows]

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 # table -> rows its smoke variant must produce
-TABLES = {"drafters": 5, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
+TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
           "self_speculative": 6, "draft_model": 3}
 
 
@@ -28,6 +28,15 @@ def test_table_smoke(table, tmp_path):
     md = (out / f"{table}.md").read_text()
     assert md.count("\n|") == TABLES[table] + 2 and f"experiments/{table}.py --smoke" in md
     assert (out / f"{table}.png").stat().st_size > 10_000
+    if table == "drafters":  # its four evaluation runs are the W1 protocol: w1.py collects them
+        w1 = subprocess.run([sys.executable, str(ROOT / "experiments" / "w1.py"), "--from",
+                             str(tmp_path / "experiments" / "drafters" / "eval"), "--out", str(tmp_path / "w1")],
+                            capture_output=True, text=True)
+        assert w1.returncode == 0, w1.stderr[-3000:]
+        rows = list(csv.DictReader((tmp_path / "w1" / "w1.csv").open()))
+        assert {(r["prompts"], r["tree"]) for r in rows} == {(p, t) for p in ("humaneval", "question")
+                                                            for t in ("chain", "dynamic_tree")}
+        assert {r["method"] for r in rows} == {"ar (ours)", "medusa", "hydra", "earlyexit", "prophet"}
 
 
 def test_table_with_a_failed_job_exits_nonzero(tmp_path):
