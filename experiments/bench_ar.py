@@ -154,6 +154,7 @@ def main() -> None:
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
         "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
+        "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
         "kernel_choice": default_table().choice,
         "command": command,
     }
@@ -187,8 +188,9 @@ def render(r: dict) -> str:
              "|---" * (len(r["verify_cost"]) + 1) + "|",
              "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
              "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |", "",
-             f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine); "
-             f"first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
+             f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
+             f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
+             f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
     return "\n".join(lines)
 
 

@@ -31,6 +31,11 @@ from torch import nn
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
+# A stored choice is re-checked once per process at these row counts (an AR step, a γ=4 verify): one quick pass of
+# every candidate; if the stored kernel is now SLOWER than the best by this factor, the table was measured while the
+# machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
+RECHECK_ROWS = (1, 5)
+RECHECK_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,13 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _mm_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # W·xᵀ: the weight is read row-major by MKL's NN path, which some CPUs run far faster at small M than x·Wᵀ
     return torch.mm(w, x.T).T.contiguous()  # callers .view() the result
+
+
+def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # one row as a matrix-vector product (BLAS gemv), threaded unlike a 1-row gemm on some builds
+    if x.shape[0] != 1:
+        raise ValueError("mv takes one row")
+    return torch.mv(w, x[0])[None]
 
 
 def _bmm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -69,6 +81,7 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
 CANDIDATES: dict[str, Candidate] = {
     "linear": Candidate(_linear),
     "mm_nn": Candidate(_mm_nn),
+    "mv": Candidate(_mv),
     "bmm_split": Candidate(_bmm_split),
     "onednn": Candidate(_onednn),
     "onednn_packed": Candidate(_onednn, _onednn_pack),
@@ -104,9 +117,12 @@ class KernelTable:
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> kernel -> seconds per product
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
+        self.check_s = 0.0  # time spent re-checking stored choices in this process (reported too)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
         self._packed: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
         self._by_rows: dict[str, list[str]] = {}  # shape -> kernel name per row count (see _names)
+        self._checked: set[str] = set()  # shapes whose stored choice was re-checked in this process
+        self.remeasured: list[str] = []  # shapes a re-check found measured on a busy machine (measured again)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
             self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
@@ -114,48 +130,75 @@ class KernelTable:
 
     # -- measuring -------------------------------------------------------------------------------------
     def prepare(self, weights: list[torch.Tensor]) -> None:
-        """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights."""
+        """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
+        (once per process) the stored choice of the others, and measure again a shape that fails it."""
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
             by_shape.setdefault(_shape_key(w), []).append(w)
-        missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
+        t0 = time.perf_counter()
+        stale = [s for s, ws in by_shape.items() if s in self.choice and s not in self._checked and self._stale(s, ws)]
+        self._checked.update(by_shape)
+        self.remeasured += stale
+        self.check_s += time.perf_counter() - t0
+        missing = {s: ws for s, ws in by_shape.items() if s not in self.choice or s in stale}
         if not missing:
             return
         t0 = time.perf_counter()
         for shape, ws in missing.items():
             self.choice[shape], self.timings[shape] = self._measure(ws)
+            self._by_rows.pop(shape, None)
         self.measure_s += time.perf_counter() - t0
         self._save()
 
+    def _stale(self, shape: str, weights: list[torch.Tensor]) -> bool:
+        """Whether the stored choice for `shape` loses clearly to another candidate in one fresh pass now (or names
+        a kernel this process lacks)."""
+        for rows in RECHECK_ROWS:
+            stored = self.choice[shape].get(rows)
+            if stored is None:
+                continue
+            if stored not in self.candidates:
+                return True
+            fresh = self._time(weights, rows, passes=1)
+            if stored not in fresh or fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
+                return True
+        return False
+
     @torch.no_grad()
     def _measure(self, weights: list[torch.Tensor]) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
-        # Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products
-        # then stream from memory as in a real step instead of hitting a cache-warm copy.
-        ws = weights[:32]
         choice, timings = {}, {}
         for rows in self.rows:
-            x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
-            reference = F.linear(x, ws[0])
-            usable = {}
-            for name, cand in self.candidates.items():
-                try:  # a kernel missing from this build, or wrong, is left out
-                    operands = [cand.pack(w) for w in ws] if cand.pack else ws
-                    if not torch.allclose(cand.run(x, operands[0]), reference, rtol=1e-3,
-                                          atol=1e-3 * float(reference.abs().max())):
-                        continue
-                    usable[name] = (cand.run, operands)
-                except Exception:  # noqa: BLE001 — any failure means "not on this machine"
-                    continue
-            best = {name: float("inf") for name in usable}
-            for _ in range(3):  # interleaved passes, best of three: drift hits every candidate alike
-                for name, (fn, operands) in usable.items():
-                    t = time.perf_counter()
-                    for op in operands:
-                        fn(x, op)
-                    best[name] = min(best[name], (time.perf_counter() - t) / len(operands))
+            best = self._time(weights, rows, passes=3)
             timings[rows] = best
             choice[rows] = min(best, key=best.get) if best else "linear"
         return choice, timings
+
+    @torch.no_grad()
+    def _time(self, weights: list[torch.Tensor], rows: int, passes: int) -> dict[str, float]:
+        """Seconds per product of every usable candidate at `rows` rows: the best of `passes` interleaved passes.
+        Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products then
+        stream from memory as in a real step instead of hitting a cache-warm copy."""
+        ws = weights[:32]
+        x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
+        reference = F.linear(x, ws[0])
+        usable = {}
+        for name, cand in self.candidates.items():
+            try:  # a kernel missing from this build, or wrong, is left out
+                operands = [cand.pack(w) for w in ws] if cand.pack else ws
+                if not torch.allclose(cand.run(x, operands[0]), reference, rtol=1e-3,
+                                      atol=1e-3 * float(reference.abs().max())):
+                    continue
+                usable[name] = (cand.run, operands)
+            except Exception:  # noqa: BLE001 — any failure means "not on this machine"
+                continue
+        best = {name: float("inf") for name in usable}
+        for _ in range(passes):  # interleaved passes, best of them: drift hits every candidate alike
+            for name, (fn, operands) in usable.items():
+                t = time.perf_counter()
+                for op in operands:
+                    fn(x, op)
+                best[name] = min(best[name], (time.perf_counter() - t) / len(operands))
+        return best
 
     def _save(self) -> None:
         if self.path is None:
