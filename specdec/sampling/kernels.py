@@ -149,6 +149,9 @@ class KernelTable:
             self._by_rows.pop(shape, None)
         self.measure_s += time.perf_counter() - t0
         self._save()
+        if stale:
+            print(f"[specdec] kernels: the stored choice for {', '.join(stale)} lost its re-check on this machine; "
+                  f"measured again ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     def _stale(self, shape: str, weights: list[torch.Tensor]) -> bool:
         """Whether the stored choice for `shape` loses clearly to another candidate in one fresh pass now (or names
