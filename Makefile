@@ -22,10 +22,11 @@ test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
-# completion-format answers (stdlib functions, the format HumanEval asks in), one Medusa head (draft vocab 8192)
-# trained from it, then HumanEval: the head (chain γ=1: it drafts from the verify forward's own hidden state, and a
-# 2-token verify block is the cheap one on a 2-core CPU) alone and with n-gram lookup rounds, lookup alone, our plain
-# AR loop and HF generate, same run; prints the table. Each run: logs/demo/<time>/.
+# completion-format answers (stdlib functions, the format HumanEval asks in), one Hydra head (draft vocab 8192; the
+# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval: the head (chain γ=1: it drafts
+# from the verify forward's own hidden state, and a 2-token verify block is the cheap one on a 2-core CPU) alone and
+# with n-gram lookup rounds, lookup alone, our plain AR loop and HF generate, same run; prints the table.
+# Each run: logs/demo/<time>/.
 DEMO_BLOCKS ?= 600
 demo: setup
 	@run=logs/demo/$$(date +%Y-%m-%d_%H-%M-%S); \
