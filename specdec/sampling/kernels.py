@@ -31,10 +31,10 @@ from torch import nn
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
-# A stored choice is re-checked once per process at these row counts (an AR step, a γ=4 verify): one quick pass of
+# A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
 # every candidate; if the stored kernel is now SLOWER than the best by this factor, the table was measured while the
 # machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
-RECHECK_ROWS = (1, 5)
+RECHECK_ROWS = (1, 2, 5)
 RECHECK_FACTOR = 1.5
 
 
