@@ -31,11 +31,12 @@ def build(root):
     def plot(fig):
         axes = fig.subplots(1, 2)
         families = [m for m in RUN if any(r["method"] == m for r in rows)]
-        width = 0.8 / max(len(SETS) * len(TREES), 1)
+        combos = [(p, t) for p in SETS for t in TREES]
+        width = 0.8 / len(combos)
         for ax, key, label in ((axes[0], "tau", "τ (tokens per base forward)"), (axes[1], "vs_ar", "speedup vs AR (ours)")):
-            for j, (prompts, tree) in enumerate((p, t) for p in SETS for t in TREES):
+            for j, (prompts, tree) in enumerate(combos):
                 by = {r["method"]: r[key] for r in rows if r["prompts"] == prompts and r["tree"] == tree}
-                xs = [i + (j - 1.5) * width for i in range(len(families))]
+                xs = [i + (j - (len(combos) - 1) / 2) * width for i in range(len(families))]
                 ax.bar(xs, [by.get(m, float("nan")) for m in families], width, label=f"{prompts}, {tree}")
             ax.set_xticks(range(len(families)), families)
             ax.axhline(1.0, color="k", lw=0.8)

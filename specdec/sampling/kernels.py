@@ -6,7 +6,9 @@ nodes for a verify). PyTorch's default kernel for that shape (MKL's sgemm, xÂ·Wá
 which alternative wins depends on the CPU, the weight's shape and the row count. So nothing is assumed:
 on first use, every candidate is timed on the model's OWN weights (all of them of one shape, so the timing
 streams memory as a real step does) for each row bucket, the fastest is kept per (shape, rows) and the table
-is cached per machine (CPU model, threads, torch version) under ~/.cache/specdec/kernels.json.
+is cached per machine (CPU model, threads, torch version) under ~/.cache/specdec/kernels.json. Machines that
+report the same CPU model still differ, and a table timed while another job ran is wrong: each process re-checks
+the stored choice once (RECHECK_ROWS) and measures a shape again when it fails.
 
 While decoding, each CPU nn.Linear of the base (and of the drafter) gets a forward that looks its row count up
 in that table: one Python call per linear, no interception of other ops. Candidates compute the same product
