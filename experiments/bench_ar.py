@@ -1,5 +1,5 @@
-"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels and
-PyTorch's stock ones) vs HF `generate`; the verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's
+"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels,
+PyTorch's stock ones, and each decoder layer's own HF forward instead of the lean one) vs HF `generate`; the verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's
 time goes (GEMM vs everything else); and the memory-bandwidth bound on AR decoding.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_ar.py            # what `make bench` runs
@@ -33,8 +33,9 @@ from specdec.sampling.kernels import default_table, machine_key, measured_kernel
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
-def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured") -> tuple[int, float]:
-    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels))
+def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured", lean: bool = True) -> tuple[int, float]:
+    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels,
+                                                     lean=lean))
     return r.num_generated[0], r.total_s
 
 
@@ -112,27 +113,31 @@ def main() -> None:
     kernel_setup_s = time.perf_counter() - t0  # includes measuring the kernels on a machine seen for the first time
     stock_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
                                                                   cpu_kernels="stock")).tokens[0]
+    hf_layers_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
+                                                                      lean=False)).tokens[0]
     hf_toks = base.model.generate(torch.tensor([prompts[0]]), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
 
-    runners = {"ours": run_ours, "ours_stock": lambda *a: run_ours(*a, kernels="stock"), "hf": run_hf}
+    runners = {"ours": run_ours, "ours_stock": lambda *a: run_ours(*a, kernels="stock"),
+               "ours_hf_layers": lambda *a: run_ours(*a, lean=False), "hf": run_hf}
     rows = {name: [] for name in runners}
     for i, p in enumerate(prompts):
         names = list(runners)
-        for name in names[i % 3:] + names[: i % 3]:  # rotate the order: drift on a noisy machine hits all alike
+        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate the order: drift on a noisy machine hits all alike
             rows[name].append(runners[name](base, p, args.max_new_tokens))
 
     def stats(r):
         return sum(n / t for n, t in r) / len(r), sum(n for n, _ in r) / sum(t for _, t in r)
 
     (ours_mean, ours_pool), (hf_mean, hf_pool) = stats(rows["ours"]), stats(rows["hf"])
-    stock_mean, stock_pool = stats(rows["ours_stock"])
+    stock_mean, hf_layers_mean = stats(rows["ours_stock"])[0], stats(rows["ours_hf_layers"])[0]
 
     ns = list(range(1, args.max_n + 1))
     costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
     stock_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), cpu_kernels="stock")
-    curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
+    hf_layers_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), lean=False)
+    curve, stock_curve, hf_layers_curve = verify_curve(costs), verify_curve(stock_costs), verify_curve(hf_layers_costs)
     split = step_split(base, prompts[0])
     bandwidth = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
@@ -143,13 +148,17 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__, "base": base.name, "dtype": "float32",
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.tolist(),
-                             "stock": stock_toks.tolist() == hf_toks.tolist()},
-        "ar_tok_s": round(ours_mean, 2), "ar_stock_tok_s": round(stock_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
+                             "stock": stock_toks.tolist() == hf_toks.tolist(),
+                             "hf_layers": hf_layers_toks.tolist() == hf_toks.tolist()},
+        "ar_tok_s": round(ours_mean, 2), "ar_stock_tok_s": round(stock_mean, 2),
+        "ar_hf_layers_tok_s": round(hf_layers_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
         "ar_pooled_tok_s": round(ours_pool, 2), "hf_generate_pooled_tok_s": round(hf_pool, 2),
         "ar_vs_hf_generate": round(ours_mean / hf_mean, 3),
         "t1_ms": round(costs[1] * 1e3, 2), "t1_stock_ms": round(stock_costs[1] * 1e3, 2),
+        "t1_hf_layers_ms": round(hf_layers_costs[1] * 1e3, 2),
         "verify_cost": {n: round(v, 3) for n, v in curve.items()},
         "verify_cost_stock": {n: round(v, 3) for n, v in stock_curve.items()},
+        "verify_cost_hf_layers": {n: round(v, 3) for n, v in hf_layers_curve.items()},
         "step_split": split,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
@@ -171,11 +180,14 @@ def render(r: dict) -> str:
     lines = [f"# Cost model: {r['base']} ({r['dtype']}), {r['cpu']}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
              f"transformers {r['transformers']}. Greedy tokens identical to HF generate: "
-             f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}.", "",
+             f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}, "
+             f"HF layers {r['greedy_identical']['hf_layers']}.", "",
              "| method | tok/s (mean over prompts) | vs HF generate |", "|---|---|---|",
              f"| AR, our sampler (measured kernels) | {r['ar_tok_s']:.1f} | {r['ar_vs_hf_generate']:.2f}× |",
              f"| AR, our sampler, cpu_kernels=stock | {r['ar_stock_tok_s']:.1f} | "
              f"{r['ar_stock_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
+             f"| AR, our sampler, lean=false (each layer's HF forward) | {r['ar_hf_layers_tok_s']:.1f} | "
+             f"{r['ar_hf_layers_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
              f"| AR, HF generate | {r['hf_generate_tok_s']:.1f} | 1.00× |", "",
              f"Bandwidth bound: {r['read_bandwidth_gb_s']:.1f} GB/s streaming read / {r['weight_bytes'] / 1e6:.0f} MB of "
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it.",
@@ -183,11 +195,13 @@ def render(r: dict) -> str:
              f"{r['step_split']['gemm_ms']:.1f} ms ({r['step_split']['gemm_share']:.0%}), everything else "
              f"{r['step_split']['other_ms']:.1f} ms.", "",
              f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels, {r['t1_stock_ms']:.1f} ms "
-             "stock; one base forward over n chain tokens, lm_head included):", "",
+             f"stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n chain tokens, lm_head included):",
+             "",
              "| n | " + " | ".join(str(n) for n in r["verify_cost"]) + " |",
              "|---" * (len(r["verify_cost"]) + 1) + "|",
              "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
-             "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |", "",
+             "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |",
+             "| v(n), HF layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_hf_layers"].values()) + " |", "",
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
@@ -204,6 +218,7 @@ def plot(r: dict, path: Path) -> None:
     ns = [int(n) for n in r["verify_cost"]]
     ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"measured kernels (T_1 {r['t1_ms']:.1f} ms)")
     ax.plot(ns, list(r["verify_cost_stock"].values()), "s--", label=f"stock (T_1 {r['t1_stock_ms']:.1f} ms)")
+    ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:", label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0]}")
     ax.legend()

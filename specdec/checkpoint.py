@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.base import Base
@@ -35,7 +36,8 @@ def save_drafter(drafter: Drafter, dirpath: str | Path, train_config: dict | Non
         "metrics": metrics or {},
         "train_config": train_config or {},
     }
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    # own storage per tensor: decoding re-points some weights as views of one fused tensor (sampling/lean.py)
+    state = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in drafter.state_dict().items()}
     atomic_write(dirpath / WEIGHTS, lambda p: save_file(state, p))
     write_json(dirpath / META, meta)
     return dirpath

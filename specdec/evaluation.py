@@ -93,7 +93,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     gammas = sorted({m.chain_gamma for m in methods if m.chain_gamma})
     prompt_len = len(render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}]))
     costs = forward_costs(base, [1] + [g + 1 for g in gammas], prompt_len=prompt_len,
-                          cpu_kernels=sampler.cpu_kernels) if gammas else {}
+                          cpu_kernels=sampler.cpu_kernels, lean=sampler.lean) if gammas else {}
 
     for m in todo:
         for start in tqdm(range(0, len(items), m.batch), desc=m.name, unit="prompt", leave=False):

@@ -16,12 +16,14 @@ from torch import nn
 
 from specdec.base import Base
 from specdec.sampling.cache import SlotCache
+from specdec.sampling.lean import LeanLayer, lean
 
 
 class SamplingContext:
-    def __init__(self, base: Base, batch_size: int, max_len: int):
+    def __init__(self, base: Base, batch_size: int, max_len: int, lean: bool = True):
         self.base = base
         self.max_len = max_len
+        self.lean = lean  # Llama-style layers through specdec.sampling.lean (False: each layer's own HF forward)
         self.stores: dict[str, SlotCache] = {"base": SlotCache(max_len)}
         self.length = torch.zeros(batch_size, dtype=torch.long, device=base.device)  # [B] committed L_b
         self.length_host = [0] * batch_size  # the same on the host: sizes the key window without a sync
@@ -85,16 +87,34 @@ class SamplingContext:
         self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
     ) -> torch.Tensor:
         """DraftContext.run_layers: HF decoder layers over hidden [B, n, H] in the current layout -> [B, n, H]."""
-        cache = self._store(store)
         pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
+        return self._run(layers, self._lean(layers), hidden, self._store(store), pos)[0]
+
+    def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
+             pos: torch.Tensor, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The layers over hidden [B, n, H] (each lean where `fast` has it) -> [B, n, H] and {i: the input of layer
+        i} for i in keep."""
         rope = self.base.rotary_emb(hidden, pos)
-        for layer in layers:
+        inputs = {}
+        for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
+            if i in keep:
+                inputs[i] = hidden
+            if lean_layer is not None:
+                hidden = lean_layer(hidden, rope, self.mask, cache)
+                continue
             out = layer(
                 hidden, attention_mask=self.mask, position_ids=pos, past_key_values=cache, use_cache=True,
                 position_embeddings=rope,
             )
             hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+        return hidden, inputs
+
+    def _lean(self, layers: Sequence[nn.Module]) -> list[LeanLayer | None]:
+        """The lean forward of each layer, None where it runs its own HF forward (lean off, a layer of another
+        shape, or autograd on: the lean path is for decoding)."""
+        if not self.lean or torch.is_grad_enabled():
+            return [None] * len(layers)
+        return [lean(layer) for layer in layers]
 
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
         """DraftContext.run_model: a whole HF decoder stack over input_ids [B, m], the last m queries of the current
@@ -110,8 +130,17 @@ class SamplingContext:
 
     def base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
         """The base model's own forward over input_ids [B, n] in the current layout, writing the base store.
-        Returns the normed last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers."""
-        out = self.base.model.model(
+        Returns the normed last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers (HF's
+        hidden_states numbering: l = the input of layer l, 0 = the embeddings; num_layers or -1 = the normed output)."""
+        base, n = self.base, self.base.num_layers
+        fast = self._lean(base.layers)
+        if all(f is not None for f in fast):  # the model's forward, embeddings to norm, with every layer lean
+            wanted = {l % (n + 1) for l in feature_layers}
+            hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), self._store("base"),
+                                       self.positions, keep=wanted - {n})
+            hidden = base.norm(hidden)
+            return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
+        out = base.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
             past_key_values=self._store("base"), use_cache=True, output_hidden_states=bool(feature_layers),
         )

@@ -42,6 +42,7 @@ class SamplerConfig:
     adaptive_step: float = 0.01
     adaptive_decay: float = 0.9
     cpu_kernels: str = "measured"  # CPU only: measured = fastest matmul kernel per shape and rows (kernels.py); stock
+    lean: bool = True  # Llama-style decoder layers through the lean forward (lean.py); False: each layer's HF forward
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the
     # rounds without a match are plain decoding steps.
@@ -250,7 +251,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     the batch, or one per row (then row b's output equals its output alone, unless n-gram lookup is on: whether a
     round is a lookup round depends on every row of the batch)."""
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
-    with measured_kernels(base, *([drafter] if drafter is not None else [])) if fast else nullcontext():
+    with measured_kernels(base, *([drafter] if drafter is not None else []), lean=cfg.lean) if fast else nullcontext():
         return _generate(base, prompt_ids, drafter, cfg, generator)
 
 
@@ -262,7 +263,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     max_len = _check_inputs(base, prompt_ids, cfg, drafter)
     lens = [len(p) for p in prompt_ids]
     longest = max(lens)
-    ctx = SamplingContext(base, b, max_len)
+    ctx = SamplingContext(base, b, max_len, lean=cfg.lean)
     uniform = RowUniform(generator, b, dev)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling.lean import lean_layers
+
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
 # A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
@@ -269,12 +271,20 @@ def default_table() -> KernelTable:
 
 
 @contextmanager
-def measured_kernels(*modules: nn.Module, table: KernelTable | None = None) -> Iterator[KernelTable]:
+def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean: bool = True) -> Iterator[KernelTable]:
     """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
-    shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`)."""
+    shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`).
+    lean: the decoder layers run by specdec.sampling.lean multiply through their fused q|k|v and gate|up linears,
+    so those are patched (and measured) instead of the five they stand for."""
     table = table or default_table()
-    linears = {id(m): m for mod in modules for m in mod.modules()
-               if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2}
+    mods = list(modules)
+    if lean:
+        fast = [f for mod in modules for f in lean_layers(mod)]
+        covered = {id(m) for f in fast for m in f.covers}
+        mods += fast
+    linears = {id(m): m for mod in mods for m in mod.modules()
+               if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2
+               and not (lean and id(m) in covered)}
     table.prepare([m.weight for m in linears.values()])
     patched = []
     for lin in linears.values():

@@ -1,0 +1,148 @@
+"""A lean decode forward over the base's (and drafters') own Llama-style decoder layers.
+
+Calling an HF decoder layer costs ~250 dispatcher ops per token step (module hooks and kwargs plumbing, the
+attention interface's head repeat, RMSNorm as 7 ops); on a 2-core CPU that framework overhead was a third of an AR
+step of SmolLM2 and more of a small verify. For a layer of the Llama layout (Llama, Mistral, Qwen2, ... and every
+drafter block built from such a config) `LeanLayer` runs the same math from the layer's own weights, norms and
+rotary function with far fewer ops: one product for q|k|v and one for gate|up, SDPA with grouped KV heads, the same
+norms and cache `update`.
+
+The fused products cost no memory: the layer's q/k/v (gate/up) weights are re-pointed as row blocks of the one
+fused tensor, so the HF modules keep working on the very same numbers. A layer is taken only when its shape is
+the Llama one and, on a few random tokens, the lean forward reproduces the layer's own HF forward; any other
+layer (sliding windows, q/k norms, Gemma's offset norms, ...) runs through its HF forward as before."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# HF decoder layer -> its LeanLayer, or None when it is not one (decided once per layer object)
+_LEAN: weakref.WeakKeyDictionary[nn.Module, LeanLayer | None] = weakref.WeakKeyDictionary()
+
+
+def fuse_rows(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose weight (and bias) rows are the given linears' stacked in order, made the storage of theirs:
+    afterwards each linear's weight is a view of a row block of it (same values, no second copy)."""
+    weight = torch.cat([l.weight.detach() for l in linears])  # [ΣO, I]
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([l.bias.detach() for l in linears]) if has_bias else None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")  # (parameters set below)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for l in linears:
+        rows = slice(start, start + l.weight.shape[0])
+        l.weight.data = weight[rows]  # the HF parameter keeps its identity (and optimizer state), now a view
+        if has_bias:
+            l.bias.data = bias[rows]
+        start = rows.stop
+    return fused
+
+
+class LeanLayer(nn.Module):
+    """One Llama-style decoder layer as a few fused products. Holds the fused linears (what `measured_kernels`
+    patches in place of the layer's own q/k/v/gate/up) and references to the layer's other parts."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
+        # the layer's own modules and function, not registered: they belong to the layer
+        self._parts = (layer.input_layernorm, layer.post_attention_layernorm, attn.o_proj, mlp.down_proj, mlp.act_fn)
+        self._rotary: Callable = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self._sources = (attn.q_proj.weight, mlp.gate_proj.weight)
+        self.covers = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # what the fused stand for
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.scaling = attn.scaling
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+
+    @property
+    def current(self) -> bool:
+        """Whether the layer's weights are still views of the fused ones (`.to()` or a reload replaces them)."""
+        return all(w.data_ptr() == f.data_ptr() for w, f in zip(self._sources, (self.qkv.weight, self.gate_up.weight)))
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache) -> torch.Tensor:
+        """hidden [B, n, H]; rope = (cos, sin) [B, n, head_dim]; mask [B, 1, n, W] additive or None; cache: an HF
+        Cache whose `update` stores this call's keys and returns the keys and values to attend -> [B, n, H]."""
+        norm1, norm2, o_proj, down_proj, act = self._parts
+        b, n, _ = hidden.shape
+        qkv = self.qkv(norm1(hidden)).view(b, n, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [B, heads, n, d] each
+        q, k = self._rotary(q, k, *rope)
+        k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                           enable_gqa=self.heads != self.kv_heads)  # [B, heads, n, d]
+        hidden = hidden + o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+        gate, up = self.gate_up(norm2(hidden)).split([self.intermediate, self.intermediate], dim=-1)
+        return hidden + down_proj(act(gate) * up)
+
+
+def lean(layer: nn.Module) -> LeanLayer | None:
+    """The layer's LeanLayer (built and checked on first use), or None for a layer it does not reproduce."""
+    fast = _LEAN.get(layer, False)
+    if fast is False or (fast is not None and not fast.current):
+        fast = _LEAN[layer] = _build(layer)
+    return fast
+
+
+def lean_layers(module: nn.Module) -> list[LeanLayer]:
+    """The LeanLayers of every decoder layer inside `module` that has one."""
+    return [fast for m in module.modules() if _llama_shaped(m) and (fast := lean(m)) is not None]
+
+
+def _llama_shaped(layer: nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return (
+        all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx"))
+        and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        and all(isinstance(n, nn.Module) for n in norms)
+        and not any(hasattr(attn, n) for n in ("q_norm", "k_norm"))
+        and getattr(attn, "sliding_window", None) is None
+        and all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+        and hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+    )
+
+
+@torch.no_grad()
+def _build(layer: nn.Module) -> LeanLayer | None:
+    if not _llama_shaped(layer):
+        return None
+    fast = LeanLayer(layer)
+    return fast if _agrees(layer, fast) else None
+
+
+def _agrees(layer: nn.Module, fast: LeanLayer, n: int = 3) -> bool:
+    """Whether the lean forward gives the layer's own HF forward's output on n random tokens (causal, fresh cache):
+    what decides that the Llama math is this layer's math, rather than its class name."""
+    from specdec.sampling.cache import SlotCache  # (the cache module imports HF's; kept out of import time)
+
+    w = fast.qkv.weight
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, n, fast.qkv.weight.shape[1], generator=g).to(w)
+    angle = torch.randn(1, n, fast.head_dim // 2, generator=g).repeat(1, 1, 2).to(w)
+    rope = (angle.cos(), angle.sin())
+    mask = torch.zeros(1, 1, n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).to(w)
+    outs = []
+    for run in (lambda c: layer(hidden, attention_mask=mask, past_key_values=c, use_cache=True,
+                                position_embeddings=rope, position_ids=torch.arange(n, device=w.device)[None]),
+                lambda c: fast(hidden, rope, mask, c)):
+        cache = SlotCache(n)
+        cache.write_slots, cache.write_start, cache.width = torch.arange(n, device=w.device)[None], 0, n
+        out = run(cache)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    ref, got = outs
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(w.dtype, 3e-2)  # rounding, not another formula
+    return bool(torch.isfinite(got).all()) and float((got - ref).abs().max()) <= tol * float(ref.abs().max())

@@ -1,0 +1,117 @@
+"""The lean decode forward (specdec/sampling/lean.py): the same numbers as each layer's HF forward, fused weights
+that are the layer's own, and the HF forward wherever a layer is not of the Llama layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+from specdec.base import LAST, tiny_base
+from specdec.checkpoint import load_drafter, save_drafter
+from specdec.drafters.early_exit import EarlyExit
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import CANDIDATES, KernelTable, measured_kernels
+from specdec.sampling.lean import lean, lean_layers
+
+
+@pytest.fixture
+def base():
+    return tiny_base(num_layers=3)  # its own: lean re-points the layers' weights
+
+
+def forward(base, lean_on: bool, prompt: list[int], tree: bool):
+    """Prefill then one verify call (a chain or a 2-branch tree); the verify's hidden state and features."""
+    ctx = SamplingContext(base, 1, 64, lean=lean_on)
+    ctx.commit_layout(len(prompt))
+    ctx.base_forward(torch.tensor([prompt]))
+    ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
+    if tree:  # root, two children of it, a grandchild of the second
+        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
+    else:
+        ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
+    tokens = torch.tensor([[7, 8, 9, 10][: 4 if tree else 1]])
+    return ctx.base_forward(tokens, feature_layers=(0, 2, LAST))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@torch.no_grad()
+def test_lean_forward_equals_the_hf_layers(base, tree):
+    prompt = list(range(20, 31))
+    ref, ref_feats = forward(base, False, prompt, tree)
+    got, feats = forward(base, True, prompt, tree)
+    assert len(lean_layers(base)) == base.num_layers
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert feats.keys() == ref_feats.keys() == {0, 2, LAST}
+    for layer in feats:
+        torch.testing.assert_close(feats[layer], ref_feats[layer], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_fused_weights_are_the_layers_own(base):
+    layer = base.layers[0]
+    before = [p.detach().clone() for p in (layer.self_attn.q_proj.weight, layer.mlp.up_proj.weight)]
+    ptr = layer.self_attn.q_proj.weight.data_ptr()
+    fast = lean(layer)
+    attn, mlp = layer.self_attn, layer.mlp
+    # the HF weights now live inside the fused ones: same values, no second copy
+    assert attn.q_proj.weight.data_ptr() == fast.qkv.weight.data_ptr() != ptr
+    assert attn.k_proj.weight.data_ptr() == fast.qkv.weight[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == fast.gate_up.weight[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert torch.equal(attn.q_proj.weight, before[0]) and torch.equal(mlp.up_proj.weight, before[1])
+    assert lean(layer) is fast  # built once
+    attn.q_proj.weight.mul_(2)  # an in-place update (an optimizer step) is seen by the fused product too
+    assert torch.equal(fast.qkv.weight[: before[0].shape[0]], 2 * before[0])
+    layer.to(torch.float64)  # new storage: the layer is fused again, in the new dtype
+    again = lean(layer)
+    assert again is not fast and again.qkv.weight.dtype == torch.float64
+
+
+def test_layers_of_another_shape_or_math_run_their_hf_forward(base):
+    config = Qwen3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, num_hidden_layers=1, vocab_size=64)
+    assert lean(Qwen3DecoderLayer(config, 0)) is None  # q/k norms: not the Llama layout
+    layer = base.layers[1]  # Llama-shaped, but its attention computes something else: the numeric check refuses it
+    own = layer.self_attn.forward
+    layer.self_attn.forward = lambda *a, **k: (2 * own(*a, **k)[0], None)
+    assert lean(layer) is None
+    ctx = SamplingContext(base, 1, 8)
+    with torch.no_grad():
+        assert ctx._lean(base.layers)[1] is None and ctx._lean(base.layers)[0] is not None
+    assert ctx._lean(base.layers) == [None] * base.num_layers  # autograd on: HF forwards, for training
+
+
+def test_measured_kernels_patch_the_fused_linears(base, tmp_path):
+    # one candidate (not `linear`), so every linear gets a patched forward
+    table = KernelTable(tmp_path / "kernels.json", candidates={"mm_nn": CANDIDATES["mm_nn"]}, rows=(1, 2))
+    layer = base.layers[0]
+    with measured_kernels(base, table=table) as t:
+        fast = lean(layer)
+        assert "forward" in fast.qkv.__dict__ and "forward" in fast.gate_up.__dict__
+        assert "forward" not in layer.self_attn.q_proj.__dict__  # stands behind the fused product
+        assert "forward" in layer.self_attn.o_proj.__dict__
+        assert "64x32:float32" in t.choice  # q|k|v of the tiny base: 32 + 2 * 16 rows
+    with measured_kernels(base, table=table, lean=False):
+        assert "forward" in layer.self_attn.q_proj.__dict__ and "forward" not in fast.qkv.__dict__
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=3), dict(tree="dynamic", dynamic_depth=2, dynamic_topk=2, dynamic_budget=4)])
+def test_decoding_is_the_same_with_and_without_lean(base, kw, tmp_path):
+    """A drafter whose layers run through the context (early exit: the base's first layer + its own block) decodes
+    the same tokens either way, and still saves and loads after its weights were fused."""
+    drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    prompts = [list(range(30, 39)), list(range(50, 54))]
+    runs = [generate(base, prompts, drafter, SamplerConfig(max_new_tokens=10, eos_token_id=[], lean=on, **kw))
+            for on in (True, False)]
+    assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
+    assert runs[0].accepted == runs[1].accepted
+    assert lean_layers(drafter)  # its block was fused while decoding
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    loaded = load_drafter(save_drafter(drafter, tmp_path / "d"), base)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
