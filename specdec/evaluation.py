@@ -417,8 +417,9 @@ def _method_path(out_dir: Path, name: str) -> Path:
 
 
 def _same(config: dict) -> dict:
-    """The parts of an evaluation config that decide its numbers."""
-    return {k: v for k, v in config.items() if k not in ("overwrite", "wandb", "tags")}
+    """The parts of an evaluation config that decide its numbers (not `paths`, where the project sits: the drafters
+    and prompts it reads are compared resolved)."""
+    return {k: v for k, v in config.items() if k not in ("overwrite", "wandb", "tags", "paths")}
 
 
 def _save_method(out_dir: Path, name: str, config: dict, runs: list[list[Run]]) -> None:

@@ -342,8 +342,9 @@ def _finished_run(out_dir: Path, config: dict) -> dict[str, float] | None:
 
 
 def _comparable(config: dict) -> dict:
-    """What decides a run's result: everything but where it resumes from and how it logs."""
-    return {k: v for k, v in config.items() if k not in ("ckpt_path", "logger", "callbacks", "tags")}
+    """What decides a run's result: everything but where it resumes from, how it logs and where the project sits
+    (`paths`: a table's run sets PROJECT_ROOT, a hand run does not; data and drafter paths are compared resolved)."""
+    return {k: v for k, v in config.items() if k not in ("ckpt_path", "logger", "callbacks", "tags", "paths")}
 
 
 def resume_path(ckpt_path: str | None, out_dir: Path) -> str | None:

@@ -47,6 +47,8 @@ def test_short_run_logs_and_saves_drafter(corpus, tmp_path, tiny):
     assert (out / "checkpoints" / "last.ckpt").exists()
     # a rerun into the same run dir reads the finished run back instead of training again ...
     assert train(cfg) == json.loads((out / "result.json").read_text())["metrics"]
+    cfg.paths.root_dir = str(tmp_path / "elsewhere")  # (a table's run sets PROJECT_ROOT; a hand run does not)
+    assert train(cfg) == json.loads((out / "result.json").read_text())["metrics"]
     # ... and the same dir with another config is refused in one line, before any work
     cfg.module.optimizer.lr = 3e-3
     with pytest.raises(ValueError, match="holds a finished run with another config .differs in module"):
