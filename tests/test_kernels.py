@@ -101,3 +101,22 @@ def test_patch_is_undone(tiny):
     with measured_kernels(tiny, table=table):
         assert "forward" in tiny.lm_head.__dict__
     assert "forward" not in tiny.lm_head.__dict__
+
+
+def test_one_kernel_for_the_whole_model_when_it_wins(tmp_path, monkeypatch):
+    """arbitrate: per-shape choices that lose over a pass of the model's products to one kernel for all are overridden
+    at those row counts; the outcome is cached per machine and model (the shapes in call order)."""
+    path = tmp_path / "k.json"
+    table = KernelTable(path, candidates=CLEAR, rows=ROWS)
+    ws = [torch.randn(64, 32), torch.randn(32, 64)]
+    for w in ws:  # per-shape choices as a table measured on a busy machine might hold them
+        table.choice[f"{w.shape[0]}x{w.shape[1]}:float32"] = {r: "slow" for r in ROWS}
+    uniform = table.arbitrate(ws)
+    assert uniform == {r: "linear" for r in ROWS}  # every row count of ROWS is among WHOLE_ROWS
+    assert table.plan(ws[0], uniform) == [None] * (max(ROWS) + 1)  # linear everywhere: the stock path
+    assert table.plan(ws[0])[2] is not None  # the shape's own choice is unchanged
+    monkeypatch.setattr(KernelTable, "_pass_time", lambda *a: pytest.fail("cached: not timed again"))
+    assert KernelTable(path, candidates=CLEAR, rows=ROWS).arbitrate(ws) == uniform
+    monkeypatch.undo()
+    table.choice = {k: {r: "linear" for r in ROWS} for k in table.choice}
+    assert "slow" not in table.arbitrate(ws[::-1]).values()  # another model (order): measured; never the slow one

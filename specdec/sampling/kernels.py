@@ -8,7 +8,8 @@ on first use, every candidate is timed on the model's OWN weights (all of them o
 streams memory as a real step does) for each row bucket, the fastest is kept per (shape, rows) and the table
 is cached per machine (CPU model, threads, torch version) under ~/.cache/specdec/kernels.json. Machines that
 report the same CPU model still differ, and a table timed while another job ran is wrong: each process re-checks
-the stored choice once (RECHECK_ROWS) and measures a shape again when it fails.
+the stored choice once (RECHECK_ROWS) and measures a shape again when it fails. And since a kernel's time alone is
+not its time among the others a forward runs, a model's products are also timed as a whole (`arbitrate`).
 
 While decoding, each CPU nn.Linear of the base (and of the drafter) gets a forward that looks its row count up
 in that table: one Python call per linear, no interception of other ops. Candidates compute the same product
@@ -17,6 +18,7 @@ is always there as the fallback."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.sampling.lean import lean_layers
+from specdec.sampling.lean import decode_linears
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
@@ -40,6 +42,12 @@ ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets meas
 # machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
 RECHECK_ROWS = (1, 2, 5)
 RECHECK_FACTOR = 1.5
+# Per-shape timings miss what a forward's MIX of kernels costs (seen here: at 2 rows, the per-shape choices took 19.8 ms
+# over SmolLM2's products in call order, one kernel for all 17.3 ms). So for a model's products, at these row counts,
+# one pass in call order with the per-shape choices is timed against one with each single kernel for every shape; a
+# single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
+WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
+WHOLE_MARGIN = 1.05
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,7 @@ class KernelTable:
         self.key = machine_key()
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> kernel -> seconds per product
+        self.uniform: dict[str, dict[int, str]] = {}  # a model's shapes in call order (hash) -> {rows: kernel for all}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         self.check_s = 0.0  # time spent re-checking stored choices in this process (reported too)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
@@ -131,6 +140,7 @@ class KernelTable:
             stored = json.loads(self.path.read_text()).get(self.key, {})
             self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
             self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored.get("timings", {}).items()}
+            self.uniform = {m: {int(r): k for r, k in c.items()} for m, c in stored.get("uniform", {}).items()}
 
     # -- measuring -------------------------------------------------------------------------------------
     def prepare(self, weights: list[torch.Tensor]) -> None:
@@ -212,16 +222,65 @@ class KernelTable:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         stored = json.loads(self.path.read_text()) if self.path.exists() else {}
-        stored[self.key] = {"choice": self.choice, "timings": self.timings}
+        stored[self.key] = {"choice": self.choice, "timings": self.timings, "uniform": self.uniform}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(stored, indent=1))
         os.replace(tmp, self.path)
 
+    @torch.no_grad()
+    def arbitrate(self, weights: list[torch.Tensor]) -> dict[int, str]:
+        """{rows: kernel} for the row counts at which one kernel for every weight beats the per-shape choices over a
+        pass of `weights` (a model's, in the order a forward multiplies with them); measured once per machine and
+        model (cached with the table), after `prepare`."""
+        model = hashlib.sha1(" ".join(map(_shape_key, weights)).encode()).hexdigest()[:16]
+        if model in self.uniform:
+            return self.uniform[model]
+        t0 = time.perf_counter()
+        found = {}
+        for rows in (r for r in WHOLE_ROWS if r in self.rows):
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+            passes = {"": [(p, w) for w in weights for p in [self.plan(w)[rows]]]}
+            for name, cand in self.candidates.items():
+                try:  # a kernel that fails on any of the shapes cannot serve them all
+                    ops = [(cand.run, self._operand(name, w)) for w in weights]
+                    for (fn, op), w in zip(ops, weights):
+                        fn(xs[w.shape[1]], op)
+                    passes[name] = [(op, w) for op, w in zip(ops, weights)]
+                except Exception:  # noqa: BLE001
+                    continue
+            best = {name: float("inf") for name in passes}
+            for _ in range(3):  # interleaved passes, best of them: drift hits every option alike
+                for name, ops in passes.items():
+                    best[name] = min(best[name], self._pass_time(ops, xs))
+            winner = min(best, key=best.get)
+            if winner and best[winner] * WHOLE_MARGIN < best[""]:
+                found[rows] = winner
+        self.uniform[model] = found
+        self.measure_s += time.perf_counter() - t0
+        self._save()
+        return found
+
+    @staticmethod
+    def _pass_time(ops: list[tuple[tuple[Kernel, torch.Tensor] | None, torch.Tensor]],
+                   xs: dict[int, torch.Tensor]) -> float:
+        """Seconds of one pass of products: ((kernel, operand) or None for F.linear, weight) each, in order."""
+        t = time.perf_counter()
+        for op, w in ops:
+            if op is None:
+                F.linear(xs[w.shape[1]], w)
+            else:
+                op[0](xs[w.shape[1]], op[1])
+        return time.perf_counter() - t
+
     # -- using -----------------------------------------------------------------------------------------
-    def plan(self, weight: torch.Tensor) -> list[tuple[Kernel, torch.Tensor] | None]:
-        """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows);
-        None where plain F.linear was fastest (so the common path pays no extra call)."""
+    def plan(self, weight: torch.Tensor, uniform: dict[int, str] | None = None) -> list[tuple[Kernel, torch.Tensor] | None]:
+        """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows; uniform:
+        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`); None where plain F.linear was
+        fastest (so the common path pays no extra call)."""
         names = self._names(_shape_key(weight))
+        if uniform:
+            buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
+            names = [uniform.get(b, n) if b is not None else n for b, n in zip(buckets, names)]
         operands = {n: (self.candidates[n].run, self._operand(n, weight)) for n in set(names) - {"linear"}}
         return [operands.get(n) for n in names]
 
@@ -275,20 +334,20 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
     shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`).
     lean: the decoder layers run by specdec.sampling.lean multiply through their fused q|k|v and gate|up linears,
-    so those are patched (and measured) instead of the five they stand for."""
+    so those are patched (and measured) instead of the five they stand for. Each module's products are then
+    arbitrated as a whole (`table.arbitrate`, once per machine and model)."""
     table = table or default_table()
-    mods = list(modules)
-    if lean:
-        fast = [f for mod in modules for f in lean_layers(mod)]
-        covered = {id(m) for f in fast for m in f.covers}
-        mods += fast
-    linears = {id(m): m for mod in mods for m in mod.modules()
-               if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2
-               and not (lean and id(m) in covered)}
-    table.prepare([m.weight for m in linears.values()])
+    per_module = [[m for m in (decode_linears(mod) if lean else mod.modules())
+                   if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2]
+                  for mod in modules]
+    table.prepare([m.weight for ms in per_module for m in ms])
+    linears = {}  # id -> (linear, the row counts its module runs with one kernel for all)
+    for ms in per_module:
+        uniform = table.arbitrate([m.weight for m in ms]) if ms else {}
+        linears.update({id(m): (m, uniform) for m in ms if id(m) not in linears})
     patched = []
-    for lin in linears.values():
-        plan = table.plan(lin.weight)
+    for lin, uniform in linears.values():
+        plan = table.plan(lin.weight, uniform)
         if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
             lin.forward = _forward(lin, plan)
             patched.append(lin)

@@ -102,6 +102,21 @@ def lean_layers(module: nn.Module) -> list[LeanLayer]:
     return [fast for m in module.modules() if _llama_shaped(m) and (fast := lean(m)) is not None]
 
 
+def decode_linears(module: nn.Module) -> list[nn.Linear]:
+    """The nn.Linear modules a decode forward of `module` multiplies with, in the order it calls them: a layer that
+    has a lean forward contributes q|k|v, o, gate|up, down in place of its own seven."""
+    out, covered = [], set()
+    for m in module.modules():
+        fast = lean(m) if _llama_shaped(m) else None
+        if fast is not None:
+            _, _, o_proj, down_proj, _ = fast._parts
+            out += [fast.qkv, o_proj, fast.gate_up, down_proj]
+            covered.update(map(id, (*fast.covers, o_proj, down_proj)))
+        elif type(m) is nn.Linear and id(m) not in covered:
+            out.append(m)
+    return out
+
+
 def _llama_shaped(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
