@@ -30,7 +30,8 @@ def build(root):
                      "alpha2": alpha_i[1], "tau": lev["measured_tau"], "tau_model": tau_model, "c": lev["c"],
                      "speedup": lev["measured_speedup"], "v": lev["verify_cost"],
                      "speedup_model": predicted_speedup(tau_model, g, lev["c"], lev["verify_cost"]),
-                     "speedup_unit": tau_model / (g * lev["c"] + 1)})
+                     "speedup_unit": tau_model / (g * lev["c"] + 1), "o": lev.get("overhead"),
+                     "a": lev.get("ar_step")})
     rows.sort(key=lambda r: r["gamma"])
 
     def plot(fig):
@@ -44,14 +45,17 @@ def build(root):
     return Table(f"Leviathan et al.: τ and speedup vs γ ({', '.join(sorted(names))}, chain)", rows,
                  {"gamma": "γ", "alpha_rate": "α̂ = Σa/Σγ", "alpha": "α per token", "alpha1": "α₁", "alpha2": "α₂",
                   "tau": "τ measured", "tau_model": "τ model", "c": "c", "v": "v(γ+1)", "speedup": "speedup measured",
-                  "speedup_model": "speedup model", "speedup_unit": "τ/(γc + 1)"}, plot,
+                  "speedup_model": "speedup model", "speedup_unit": "τ/(γc + 1)", "o": "o", "a": "a"}, plot,
                  ["α̂: accepted / drafted over the run at that γ (SPEC.md §4). α per token: accepted / tokens the "
                   "verifier decided on (each round's accepted ones and its first rejected one), the maximum-"
                   "likelihood α of Leviathan's i.i.d. model, which the τ model uses; α̂ counts the tokens after a "
                   "rejection, never tried, as failures, and would underpredict τ. "
                   "α₁, α₂: acceptance at draft positions 1 and 2 given the earlier ones were accepted. c: measured draft "
                   "time per depth / T_1; v(γ+1): one base forward over γ+1 tokens / over 1 token (same run). The model "
-                  "column uses v; τ/(γc + 1) is the paper's, which charges a verify as one base step."])
+                  "column uses v; τ/(γc + 1) is the paper's, which charges a verify as one base step. o: what a "
+                  "round costs beyond v + γc (acceptance, rollback, bookkeeping, the in-loop forward against the "
+                  "bare one), a: our AR loop's time per token, both in T_1 and measured in the same job; measured "
+                  "speedup = τ·a/(v + γc + o)."])
 
 
 if __name__ == "__main__":

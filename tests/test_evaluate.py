@@ -1,6 +1,7 @@
 """evaluate.py end to end on the tiny base with a Spec-Bench-style question.jsonl (multi-turn, 2 categories)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,8 @@ def test_evaluate_end_to_end(tmp_path, questions):
     assert rows["ar (ours)"]["tau"] == 1.0 and rows["ar (ours)"]["speedup_vs_ar"] == 1.0
     assert rows["medusa"]["tau"] >= 1.0 and 0.0 <= rows["medusa"]["alpha"] <= 1.0
     assert rows["medusa"]["leviathan"]["gamma"] == 3
+    lev = rows["medusa"]["leviathan"]  # the time split the model leaves out is reported, in T_1
+    assert lev["ar_step"] > 0 and math.isfinite(lev["overhead"])
     assert set(rows["medusa"]["per_category_speedup"]) == {"coding", "writing"}
     # 4 turns in all, 12 tokens each (EOS disabled)
     assert rows["hf_generate"]["tokens"] == rows["ar (ours)"]["tokens"] == 4 * 12
