@@ -54,8 +54,8 @@ def build(root):
                   "time per depth / T_1; v(γ+1): one base forward over γ+1 tokens / over 1 token (same run). The model "
                   "column uses v; τ/(γc + 1) is the paper's, which charges a verify as one base step. o: what a "
                   "round costs beyond v + γc (acceptance, rollback, bookkeeping, the in-loop forward against the "
-                  "bare one), a: our AR loop's time per token, both in T_1 and measured in the same job; measured "
-                  "speedup = τ·a/(v + γc + o)."])
+                  "bare one), a: our AR loop's time per token, both in T_1 and measured in the same job; the "
+                  "speedup after the first token (prefill excluded, pooled over prompts) is τ·a/(v + γc + o)."])
 
 
 if __name__ == "__main__":

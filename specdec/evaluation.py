@@ -258,7 +258,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             tau_pred = chain_tau(a_tok, g)
             # The time split the model leaves out (SPEC.md §8), in T_1: what a round costs beyond v + γc (acceptance,
             # rollback, bookkeeping, the in-loop forward against the bare one), and our AR loop's time per token.
-            # Measured speedup = τ · ar_step / (v + γc + overhead).
+            # The speedup after the first token (prefill excluded, pooled) = τ · ar_step / (v + γc + overhead).
             ar_flat = [r for p in ar_runs for r in p]
             ar_step = _per_round(ar_flat) / t1
             overhead = _per_round(flat) / t1 - v - g * c
@@ -309,7 +309,8 @@ def render_markdown(report: dict, config_yaml: str) -> str:
                   "speedup = τ/(v(γ+1) + γc), with the verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per "
                   "depth / T_1 measured in this run (τ/(γc + 1) assumes v = 1). The time split the model leaves "
                   "out, in T_1: o = a round's time beyond v + γc (acceptance, rollback, bookkeeping, the in-loop "
-                  "forward against the bare one), a = our AR loop's time per token; measured = τ·a/(v + γc + o)", "",
+                  "forward against the bare one), a = our AR loop's time per token; so the speedup after the first "
+                  "token (prefill excluded, pooled over prompts) is τ·a/(v + γc + o)", "",
                   "| method | γ | α per token | τ measured | τ predicted | c | v(γ+1) | break-even τ | "
                   "speedup measured | speedup predicted | from measured τ | τ/(γc + 1) | o | a |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
