@@ -278,7 +278,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     state = None
     if drafter is not None:
         state = drafter.init_state(b, ctx.max_len)
-        drafter.observe(state, ctx, Features(feats, base.lm_head(hidden)), ids, n_prompt, root)
+        # no prompt-long logits: [B, P, V] through the lm_head would cost a verify's time and no drafter reads them
+        drafter.observe(state, ctx, Features(feats, None), ids, n_prompt, root)
     ctx.commit(n_prompt, lens)
 
     out: list[list[int]] = [[] for _ in range(b)]

@@ -273,7 +273,8 @@ class KernelTable:
         return time.perf_counter() - t
 
     # -- using -----------------------------------------------------------------------------------------
-    def plan(self, weight: torch.Tensor, uniform: dict[int, str] | None = None) -> list[tuple[Kernel, torch.Tensor] | None]:
+    def plan(self, weight: torch.Tensor,
+             uniform: dict[int, str] | None = None) -> list[tuple[Kernel, torch.Tensor] | None]:
         """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows; uniform:
         {bucket: kernel} that overrides the weight's own choice, see `arbitrate`); None where plain F.linear was
         fastest (so the common path pays no extra call)."""
