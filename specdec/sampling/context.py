@@ -9,7 +9,7 @@ earlier rounds included, is masked; this is what makes rollback a pointer move."
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ class SamplingContext:
         return self._run(layers, self._lean(layers), hidden, self._store(store), pos)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
-             pos: torch.Tensor, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+             pos: torch.Tensor, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over hidden [B, n, H] (each lean where `fast` has it) -> [B, n, H] and {i: the input of layer
         i} for i in keep."""
         rope = self.base.rotary_emb(hidden, pos)
@@ -129,9 +129,10 @@ class SamplingContext:
         return out.last_hidden_state
 
     def base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
-        """The base model's own forward over input_ids [B, n] in the current layout, writing the base store.
-        Returns the normed last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers (HF's
-        hidden_states numbering: l = the input of layer l, 0 = the embeddings; num_layers or -1 = the normed output)."""
+        """The base over input_ids [B, n] in the current layout, writing the base store: embeddings, its layers
+        (lean where every one has a lean forward, else the model's own forward) and final norm. Returns the normed
+        last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers (HF's hidden_states numbering:
+        l = the input of layer l, 0 = the embeddings; num_layers or -1 = the normed output)."""
         base, n = self.base, self.base.num_layers
         fast = self._lean(base.layers)
         if all(f is not None for f in fast):  # the model's forward, embeddings to norm, with every layer lean
