@@ -14,7 +14,7 @@ from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import CANDIDATES, KernelTable, measured_kernels
-from specdec.sampling.lean import lean, lean_layers
+from specdec.sampling.lean import LeanLayer, decode_linears, lean
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_lean_forward_equals_the_hf_layers(base, tree):
     prompt = list(range(20, 31))
     ref, ref_feats = forward(base, False, prompt, tree)
     got, feats = forward(base, True, prompt, tree)
-    assert len(lean_layers(base)) == base.num_layers
+    assert all(isinstance(lean(layer), LeanLayer) for layer in base.layers)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert feats.keys() == ref_feats.keys() == {0, 2, LAST}
     for layer in feats:
@@ -111,7 +111,9 @@ def test_decoding_is_the_same_with_and_without_lean(base, kw, tmp_path):
             for on in (True, False)]
     assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
     assert runs[0].accepted == runs[1].accepted
-    assert lean_layers(drafter)  # its block was fused while decoding
+    block = drafter.exits[0].blocks[0]  # its block was fused while decoding
+    assert block.self_attn.q_proj.weight.data_ptr() == lean(block).qkv.weight.data_ptr()
+    assert lean(block).qkv in decode_linears(drafter)
     state = {k: v.clone() for k, v in drafter.state_dict().items()}
     loaded = load_drafter(save_drafter(drafter, tmp_path / "d"), base)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())

@@ -97,11 +97,6 @@ def lean(layer: nn.Module) -> LeanLayer | None:
     return fast
 
 
-def lean_layers(module: nn.Module) -> list[LeanLayer]:
-    """The LeanLayers of every decoder layer inside `module` that has one."""
-    return [fast for m in module.modules() if _llama_shaped(m) and (fast := lean(m)) is not None]
-
-
 def decode_linears(module: nn.Module) -> list[nn.Linear]:
     """The nn.Linear modules a decode forward of `module` multiplies with, in the order it calls them: a layer that
     has a lean forward contributes q|k|v, o, gate|up, down in place of its own seven."""
