@@ -1,6 +1,7 @@
 """The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels,
-PyTorch's stock ones, and each decoder layer's own HF forward instead of the lean one) vs HF `generate`; the verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's
-time goes (GEMM vs everything else); and the memory-bandwidth bound on AR decoding.
+PyTorch's stock ones, and each decoder layer's own HF forward instead of the lean one) vs HF `generate`; the
+verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's time goes (GEMM vs everything else); and the
+memory-bandwidth bound on AR decoding.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_ar.py            # what `make bench` runs
     .venv/bin/python experiments/bench_ar.py --prompts 2 --max-new-tokens 32   # quick look (< 5 min)
@@ -124,7 +125,8 @@ def main() -> None:
     rows = {name: [] for name in runners}
     for i, p in enumerate(prompts):
         names = list(runners)
-        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate the order: drift on a noisy machine hits all alike
+        k = i % len(names)
+        for name in names[k:] + names[:k]:  # rotate the order: drift on a noisy machine hits all alike
             rows[name].append(runners[name](base, p, args.max_new_tokens))
 
     def stats(r):
@@ -137,7 +139,8 @@ def main() -> None:
     costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
     stock_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), cpu_kernels="stock")
     hf_layers_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), lean=False)
-    curve, stock_curve, hf_layers_curve = verify_curve(costs), verify_curve(stock_costs), verify_curve(hf_layers_costs)
+    curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
+    hf_layers_curve = verify_curve(hf_layers_costs)
     split = step_split(base, prompts[0])
     bandwidth = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
@@ -195,7 +198,8 @@ def render(r: dict) -> str:
              f"{r['step_split']['gemm_ms']:.1f} ms ({r['step_split']['gemm_share']:.0%}), everything else "
              f"{r['step_split']['other_ms']:.1f} ms.", "",
              f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels, {r['t1_stock_ms']:.1f} ms "
-             f"stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n chain tokens, lm_head included):",
+             f"stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n chain tokens, lm_head "
+             "included):",
              "",
              "| n | " + " | ".join(str(n) for n in r["verify_cost"]) + " |",
              "|---" * (len(r["verify_cost"]) + 1) + "|",
@@ -218,7 +222,8 @@ def plot(r: dict, path: Path) -> None:
     ns = [int(n) for n in r["verify_cost"]]
     ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"measured kernels (T_1 {r['t1_ms']:.1f} ms)")
     ax.plot(ns, list(r["verify_cost_stock"].values()), "s--", label=f"stock (T_1 {r['t1_stock_ms']:.1f} ms)")
-    ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:", label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
+    ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:",
+            label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0]}")
     ax.legend()

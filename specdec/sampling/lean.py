@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling.cache import SlotCache
+
 # HF decoder layer -> its LeanLayer, or None when it is not one (decided once per layer object)
 _LEAN: weakref.WeakKeyDictionary[nn.Module, LeanLayer | None] = weakref.WeakKeyDictionary()
 
@@ -58,7 +60,6 @@ class LeanLayer(nn.Module):
         # the layer's own modules and function, not registered: they belong to the layer
         self._parts = (layer.input_layernorm, layer.post_attention_layernorm, attn.o_proj, mlp.down_proj, mlp.act_fn)
         self._rotary: Callable = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self._sources = (attn.q_proj.weight, mlp.gate_proj.weight)
         self.covers = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # what the fused stand for
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
@@ -70,7 +71,9 @@ class LeanLayer(nn.Module):
     @property
     def current(self) -> bool:
         """Whether the layer's weights are still views of the fused ones (`.to()` or a reload replaces them)."""
-        return all(w.data_ptr() == f.data_ptr() for w, f in zip(self._sources, (self.qkv.weight, self.gate_up.weight)))
+        q_proj, gate_proj = self.covers[0], self.covers[3]
+        return (q_proj.weight.data_ptr() == self.qkv.weight.data_ptr()
+                and gate_proj.weight.data_ptr() == self.gate_up.weight.data_ptr())
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache) -> torch.Tensor:
@@ -137,11 +140,9 @@ def _build(layer: nn.Module) -> LeanLayer | None:
 def _agrees(layer: nn.Module, fast: LeanLayer, n: int = 3) -> bool:
     """Whether the lean forward gives the layer's own HF forward's output on n random tokens (causal, fresh cache):
     what decides that the Llama math is this layer's math, rather than its class name."""
-    from specdec.sampling.cache import SlotCache  # (the cache module imports HF's; kept out of import time)
-
     w = fast.qkv.weight
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, n, fast.qkv.weight.shape[1], generator=g).to(w)
+    hidden = torch.randn(1, n, w.shape[1], generator=g).to(w)
     angle = torch.randn(1, n, fast.head_dim // 2, generator=g).repeat(1, 1, 2).to(w)
     rope = (angle.cos(), angle.sin())
     mask = torch.zeros(1, 1, n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).to(w)
