@@ -117,3 +117,28 @@ def test_decoding_is_the_same_with_and_without_lean(base, kw, tmp_path):
     state = {k: v.clone() for k, v in drafter.state_dict().items()}
     loaded = load_drafter(save_drafter(drafter, tmp_path / "d"), base)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+
+
+@torch.no_grad()
+def test_rotary_table_and_fused_norm_give_the_hf_numbers_bitwise():
+    """The lean layer's rotary (q and k at once, sign folded into the sine) is HF's apply_rotary_pos_emb to the
+    bit; an RMSNorm is fused only where F.rms_norm is bitwise the norm's own output (float32 here, not float64)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from specdec.sampling.lean import _fused_norm, lean_rope
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)  # [B, heads, n, d]
+    angle = torch.randn(2, 3, 8, generator=g)  # [B, n, d]: halves differ, so a swapped sign would show
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, angle.cos(), angle.sin())
+    cos, sin = lean_rope(angle.cos(), angle.sin())
+    qk = torch.cat([q, k], dim=1)
+    got_q, got_k = (qk * cos + qk.roll(4, -1) * sin).split([4, 2], dim=1)  # as LeanLayer.forward rotates
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+    norm = LlamaRMSNorm(16, eps=1e-6)
+    norm.weight.uniform_(0.5, 1.5)
+    assert _fused_norm(norm) is not norm  # float32: the fused op
+    x = torch.randn(5, 16, generator=g)
+    assert torch.equal(_fused_norm(norm)(x), norm(x))
+    assert _fused_norm(norm.double()) is norm  # float64: F.rms_norm rounds otherwise, so the norm's own forward

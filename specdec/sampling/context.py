@@ -16,7 +16,7 @@ from torch import nn
 
 from specdec.base import Base
 from specdec.sampling.cache import SlotCache
-from specdec.sampling.lean import LeanLayer, lean
+from specdec.sampling.lean import LeanLayer, lean, lean_rope
 
 
 class SamplingContext:
@@ -94,13 +94,14 @@ class SamplingContext:
              pos: torch.Tensor, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over hidden [B, n, H] (each lean where `fast` has it) -> [B, n, H] and {i: the input of layer
         i} for i in keep."""
-        rope = self.base.rotary_emb(hidden, pos)
+        rope = self.base.rotary_emb(hidden, pos)  # (cos, sin) [B, n, head_dim]
+        lean_table = lean_rope(*rope) if any(f is not None for f in fast) else None  # once for every lean layer
         inputs = {}
         for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
             if i in keep:
                 inputs[i] = hidden
             if lean_layer is not None:
-                hidden = lean_layer(hidden, rope, self.mask, cache)
+                hidden = lean_layer(hidden, lean_table, self.mask, cache)
                 continue
             out = layer(
                 hidden, attention_mask=self.mask, position_ids=pos, past_key_values=cache, use_cache=True,

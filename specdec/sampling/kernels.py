@@ -73,12 +73,21 @@ def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _bmm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # W as [n, O/n, I]: bmm gives each thread its own block of output rows (PyTorch's GEMV uses one thread)
+    # W as [n, O/n, I] (see _split_rows): bmm gives each thread its own block of output rows (PyTorch's GEMV uses one
+    # thread); with one row the result [n, O/n, 1] already is x·Wᵀ's memory layout
+    n, o, i = w.shape
+    m = x.shape[0]
+    y = torch.bmm(w, x.T.expand(n, i, m))  # [n, O/n, M]
+    return y.view(1, n * o) if m == 1 else y.reshape(n * o, m).T.contiguous()
+
+
+def _split_rows(w: torch.Tensor) -> torch.Tensor:
+    # the weight's rows in one block per thread: a view, no copy
     n = torch.get_num_threads()
     o, i = w.shape
     if n < 2 or o % n:
         raise ValueError("bmm_split needs >= 2 threads dividing the output rows")
-    return torch.bmm(w.view(n, o // n, i), x.T.expand(n, i, x.shape[0])).reshape(o, x.shape[0]).T.contiguous()
+    return w.view(n, o // n, i)
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -94,7 +103,7 @@ CANDIDATES: dict[str, Candidate] = {
     "linear": Candidate(_linear),
     "mm_nn": Candidate(_mm_nn),
     "mv": Candidate(_mv),
-    "bmm_split": Candidate(_bmm_split),
+    "bmm_split": Candidate(_bmm_split, _split_rows),
     "onednn": Candidate(_onednn),
     "onednn_packed": Candidate(_onednn, _onednn_pack),
 }
