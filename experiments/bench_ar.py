@@ -1,7 +1,7 @@
 """The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels,
 PyTorch's stock ones, and each decoder layer's own HF forward instead of the lean one) vs HF `generate`; the
-verify-cost curve v(n) = T_n / T_1 for n = 1..32; where an AR step's time goes (GEMM vs everything else); and the
-memory-bandwidth bound on AR decoding.
+verify-cost curve v(n) = T_n / T_1 for n = 1..32; where a forward's time goes at each n (the products alone against
+their roofline, and the rest); and the memory-bandwidth and compute roofs of this machine.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_ar.py            # what `make bench` runs
     .venv/bin/python experiments/bench_ar.py --prompts 2 --max-new-tokens 32   # quick look (< 5 min)
@@ -30,6 +30,7 @@ from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
+from specdec.sampling.lean import decode_linears  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
@@ -62,6 +63,37 @@ def read_bandwidth(gib: float = 0.5, reps: int = 5) -> float:
 
 
 @torch.no_grad()
+def gemm_flops(size: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a large fp32 matrix product on all threads: the compute roof of this CPU."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+@torch.no_grad()
+def gemm_curve(base, ns: list[int], reps: int = 5) -> dict[int, float]:
+    """Seconds of the products alone of one forward over n rows: every linear the decode forward multiplies with
+    (fused q|k|v and gate|up, lm_head), in call order, through the measured kernels; best of `reps` passes."""
+    with measured_kernels(base):
+        linears = decode_linears(base)
+        out = {}
+        for n in ns:
+            xs = {lin.in_features: torch.randn(n, lin.in_features) for lin in linears}
+            best = float("inf")
+            for _ in range(reps + 1):  # the first pass warms up
+                t0 = time.perf_counter()
+                for lin in linears:
+                    lin(xs[lin.in_features])
+                best = min(best, time.perf_counter() - t0)
+            out[n] = best
+    return out
+
+
 def step_split(base, prompt: list[int], steps: int = 10) -> dict[str, float]:
     """Milliseconds per AR step (one token through the base + lm_head, measured kernels) in GEMM ops vs the rest,
     from torch.profiler's self CPU time."""
@@ -145,6 +177,11 @@ def main() -> None:
     bandwidth = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
     bound = bandwidth / weight_bytes
+    # Where v(n) comes from: the products alone at n rows against their roofline, max(stream the weights once,
+    # 2·n·(weights) flops at the compute roof); the rest of T_n is attention, norms, rotary and dispatch.
+    flops = gemm_flops()
+    gemm = gemm_curve(base, ns)
+    roof = {n: max(weight_bytes / bandwidth, 2 * n * weight_bytes / 4 / flops) for n in ns}
 
     report = {
         "cpu": machine_key(), "platform": platform.platform(), "threads": torch.get_num_threads(),
@@ -165,6 +202,10 @@ def main() -> None:
         "step_split": split,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
+        "gemm_gflop_s": round(flops / 1e9, 1),
+        "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
+        "gemm_roofline_ms": {n: round(t * 1e3, 2) for n, t in roof.items()},
+        "rest_ms": {n: round((costs[n] - gemm[n]) * 1e3, 2) for n in ns},
         "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
         "kernel_choice": default_table().choice,
@@ -205,7 +246,13 @@ def render(r: dict) -> str:
              "|---" * (len(r["verify_cost"]) + 1) + "|",
              "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
              "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |",
-             "| v(n), HF layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_hf_layers"].values()) + " |", "",
+             "| v(n), HF layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_hf_layers"].values()) + " |",
+             "| GEMM ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_ms"].values()) + " |",
+             "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
+             "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
+             f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
+             f"n rows each. GEMM roofline: max(the weights streamed once at the read bandwidth, 2·n·params flops at "
+             f"{r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). rest = T_n − GEMM.", "",
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
