@@ -133,6 +133,30 @@ def test_cache_refuses_another_base_and_missing_layers(corpus, tiny, tmp_path):
         CachedFeatures(str(tmp_path / "nothing"))
 
 
+def test_mixed_caches_train_on_both_and_validate_on_the_first(corpus, tiny, tmp_path):
+    """data.mix: the training split is every cache's training blocks, validation only the main cache's; the batch
+    carries the layers all of them store, and a cache that cannot stack with the main one is refused."""
+    dm = text_blocks(corpus, tiny)
+    main, extra = tmp_path / "main", tmp_path / "extra"
+    cache_features(dm, tiny, str(main), layers=(LAST, 1), topk=8, max_train_blocks=2)
+    cache_features(dm, tiny, str(extra), layers=(LAST,), topk=8)
+    cached = CachedFeatures(str(main), batch_size=2, mix=[str(extra)])
+    cached.check(tiny, Medusa(tiny, num_heads=2))
+    cached.setup()
+    n_extra = len(dm.blocks["train"])
+    assert len(cached.splits["train"]) == 2 + n_extra and len(cached.splits["val"]) == len(dm.blocks["val"])
+    assert cached.layers == [LAST]
+    first_extra = cached.splits["train"][2]
+    assert torch.equal(first_extra["input_ids"], torch.as_tensor(dm.blocks["train"][0]["input_ids"]))
+    counts = cached.train_token_counts(tiny.vocab_size)
+    assert int(counts.sum()) == (2 + n_extra) * 32  # the draft vocab is picked from every training block
+    with pytest.raises(ValueError, match=r"extra has layers \[-1\]"):
+        cached.check(tiny, EarlyExit(tiny, exit_layers=[1]))
+    cache_features(dm, tiny, str(tmp_path / "k4"), layers=(LAST,), topk=4, max_train_blocks=2)
+    with pytest.raises(ValueError, match="differ in topk"):
+        CachedFeatures(str(main), mix=[str(tmp_path / "k4")])
+
+
 @pytest.mark.parametrize("drafter", ["medusa", "early_exit"])
 def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     """python train.py data=cached trains and saves a drafter, and the base never runs a forward."""

@@ -1,5 +1,9 @@
 """Training from a feature cache (see features.py): batches carry the base's hidden states and top-k targets,
-so a training step never runs the base. Drop-in for TextDataModule: python train.py data=cached"""
+so a training step never runs the base. Drop-in for TextDataModule: python train.py data=cached
+
+Caches of other text can join the training split (`mix`): the targets are the base's own distribution over
+whatever text the blocks hold, so any text the base reads is training signal for a drafter; validation stays on
+the main cache, so its numbers compare with runs trained on that cache alone."""
 
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ class FeatureShards(Dataset):
     """Blocks of one split across its memory-mapped shards. An item is
     {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float}."""
 
-    def __init__(self, root: Path, layers: list[int]):
+    def __init__(self, roots: list[Path], layers: list[int]):
         self.shards = []
-        done = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []
+        done = [p for root in roots if root.exists()
+                for p in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))]
         for d in done:
             arrays = {"input_ids": np.load(d / "input_ids.npy", mmap_mode="r"),
                       "top_idx": np.load(d / "top_idx.npy", mmap_mode="r"),
@@ -46,33 +51,47 @@ class FeatureShards(Dataset):
 
 
 class CachedFeatures(L.LightningDataModule):
-    def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0, tokenizer=None):
-        """`tokenizer` is accepted so every data config is built the same way; the cache already holds token ids."""
+    def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0, tokenizer=None,
+                 mix: list[str] | None = None):
+        """`tokenizer` is accepted so every data config is built the same way; the cache already holds token ids.
+        mix: further caches whose training blocks join this one's (same base; validation stays this cache's)."""
         super().__init__()
         self.path = Path(path).expanduser()
         self.meta = read_meta(self.path)
+        self.mix = [Path(p).expanduser() for p in mix or []]
+        self.mix_meta = [read_meta(p) for p in self.mix]
+        for p, m in zip(self.mix, self.mix_meta):  # blocks of one batch must stack
+            differ = [k for k in ("block_size", "topk", "dtype") if m[k] != self.meta[k]]
+            if differ:
+                raise ValueError(f"feature cache {p} cannot join {self.path}: they differ in {', '.join(differ)}")
+        # the layers every cache stores: what a mixed batch can carry
+        self.layers = [l for l in self.meta["layers"] if all(l in m["layers"] for m in self.mix_meta)]
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.splits: dict[str, FeatureShards] = {}
 
     def check(self, base, drafter) -> None:
         """One-line errors before any training: a cache of another base, or without the layers the drafter reads."""
         fp = base.fingerprint()
-        diff = sorted(k for k in fp if self.meta["fingerprint"].get(k) != fp[k])
-        if diff:
-            raise ValueError(f"feature cache {self.path} was built on another base "
-                             f"({self.meta['base_name']}; differs in {', '.join(diff)})")
-        missing = sorted(set(drafter.feature_layers) - set(self.meta["layers"]))
-        if missing:
-            raise ValueError(f"feature cache {self.path} has layers {self.meta['layers']}, {type(drafter).__name__} "
-                             f"reads {list(drafter.feature_layers)}: rebuild it with layers={sorted(set(self.meta['layers']) | set(missing))}")
+        for path, meta in zip([self.path, *self.mix], [self.meta, *self.mix_meta]):
+            diff = sorted(k for k in fp if meta["fingerprint"].get(k) != fp[k])
+            if diff:
+                raise ValueError(f"feature cache {path} was built on another base "
+                                 f"({meta['base_name']}; differs in {', '.join(diff)})")
+            missing = sorted(set(drafter.feature_layers) - set(meta["layers"]))
+            if missing:
+                raise ValueError(f"feature cache {path} has layers {meta['layers']}, {type(drafter).__name__} reads "
+                                 f"{list(drafter.feature_layers)}: rebuild it with layers={sorted(set(meta['layers']) | set(missing))}")
 
     def setup(self, stage: str | None = None) -> None:
         if not self.splits:
-            self.splits = {name: FeatureShards(self.path / name, self.meta["layers"]) for name in ("train", "val")}
-            for name, ds in self.splits.items():
-                if len(ds) != self.meta["blocks"][name]:  # an interrupted features run
-                    raise ValueError(f"feature cache {self.path} is incomplete: {name} has {len(ds)} of "
-                                     f"{self.meta['blocks'][name]} blocks; rerun python -m specdec.data.features")
+            for path, meta in zip([self.path, *self.mix], [self.meta, *self.mix_meta]):
+                for name in ("train", "val"):
+                    have = len(FeatureShards([path / name], []))
+                    if have != meta["blocks"][name]:  # an interrupted features run
+                        raise ValueError(f"feature cache {path} is incomplete: {name} has {have} of "
+                                         f"{meta['blocks'][name]} blocks; rerun python -m specdec.data.features")
+            self.splits = {"train": FeatureShards([p / "train" for p in [self.path, *self.mix]], self.layers),
+                           "val": FeatureShards([self.path / "val"], self.layers)}
 
     def train_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the training blocks [vocab_size] (picks a reduced draft vocab)."""
