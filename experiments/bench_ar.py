@@ -26,6 +26,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.sampling import native  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
@@ -225,6 +226,7 @@ def main() -> None:
         "rest_ms": {n: round((costs[n] - gemm[n]) * 1e3, 2) for n in ns},
         "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
+        "native_built": native.available(), "native_build_s": round(native.build_s, 2),
         "kernel_choice": default_table().choice,
         "command": command,
     }
@@ -276,7 +278,10 @@ def render(r: dict) -> str:
              f"{r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). rest = T_n − GEMM.", "",
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
-             f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s.", ""]
+             f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s. "
+             f"Native small-M kernel (specdec/sampling/smallm.c): "
+             + (f"built, compiled in {r['native_build_s']:.2f} s in this run (0 when cached)."
+                if r.get("native_built") else "not built on this machine (no compiler): a candidate fewer."), ""]
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling import native
 from specdec.sampling.lean import decode_linears
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
@@ -94,6 +95,11 @@ def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # oneDNN's inner product
 
 
+def _native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # specdec/sampling/smallm.c: each thread streams its block of W once, the few x rows held in registers
+    return native.small_gemm(x, w)
+
+
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     # oneDNN's blocked weight layout, made once: no per-call reorder (a second copy of the weight in memory)
     return torch.ops.mkldnn._reorder_linear_weight(w, 8)
@@ -106,16 +112,23 @@ CANDIDATES: dict[str, Candidate] = {
     "bmm_split": Candidate(_bmm_split, _split_rows),
     "onednn": Candidate(_onednn),
     "onednn_packed": Candidate(_onednn, _onednn_pack),
+    "native": Candidate(_native),
 }
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
 
 def cpu_model() -> str:
-    """The CPU's model name (what `lscpu` calls it), e.g. "AMD EPYC"; the architecture when unknown."""
+    """The CPU's model name (what `lscpu` calls it) with its family and model numbers, e.g. "AMD EPYC (family 25,
+    model 1)": virtual machines often report only "AMD EPYC" for CPUs generations apart (seen here: family 25 model
+    1 and model 17, whose kernel choices differ). The architecture when /proc/cpuinfo is missing."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = {}
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(ids)})" if ids else "")
     except OSError:
         pass
     return platform.processor() or platform.machine()

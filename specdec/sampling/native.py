@@ -1,0 +1,115 @@
+"""The small-M product of smallm.c, built on first use by this machine's C compiler for this machine's CPU: one more
+candidate for the kernel table (kernels.py), used where measurement on this machine picks it.
+
+(A native RMSNorm and a native attention over the cached window were tried too: the norm saved ~9 µs a call, about
+0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x, scalar expf being the likely cause; neither is kept.)
+
+No compiler, a flag it rejects, a library that does not load: `available()` is then False and the kernel table
+simply has one candidate fewer (kernels.py measures what exists; PyTorch's own product is always there). The build takes
+under a second and is cached under ~/.cache/specdec/native/, keyed by the source, the compiler and the CPU's model
+and instruction-set flags: -march=native code from another CPU could stop this one with an illegal instruction."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("smallm.c")
+CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "native"
+# tried in order: the first set the compiler accepts is used (-march=native is not on every compiler and target;
+# without OpenMP the kernel runs on one thread and measurement will rarely pick it, but it stays correct)
+FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+build_s = 0.0  # seconds spent compiling in this process (reported by make bench, never hidden)
+
+
+def _cpu_signature() -> str:
+    """The CPU's identity as the compiler sees it: model, family and the instruction-set flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+        return platform.processor() + platform.machine()
+    keys = ("model name", "cpu family", "model", "flags", "Features", "CPU part")
+    first = text.split("\n\n", 1)[0]  # the first processor's block: all cores of a machine here are alike
+    return "\n".join(l for l in first.splitlines() if l.split(":", 1)[0].strip() in keys)
+
+
+def _build(compiler: str) -> Path | None:
+    """The shared library for this CPU, compiled now unless cached; None when no flag set compiles."""
+    global build_s
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha1(source + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    for flags in FLAGS:
+        target = CACHE / f"smallm-{key}-{'_'.join(f.strip('-') for f in flags)}.so"
+        if target.exists():
+            return target
+        t0 = time.perf_counter()
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+            out = Path(tmp) / target.name
+            try:
+                done = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+                                      capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError):
+                return None
+            build_s += time.perf_counter() - t0
+            if done.returncode == 0:
+                os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
+                return target
+    return None
+
+
+@lru_cache(maxsize=None)
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDEC_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None or not SOURCE.exists():
+        return None
+    path = _build(compiler)
+    if path is None:
+        return None
+    try:
+        # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to
+        # that one by its soname, so both share one thread pool instead of two fighting over the cores
+        lib = ctypes.CDLL(str(path))
+        lib.smallm_gemm.restype = None
+        lib.smallm_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, I] · w [O, I]ᵀ -> [M, O] (raises for anything but float32 on the CPU, or when the library is missing:
+    the kernel table then leaves this candidate out)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native kernel was not built on this machine")
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, w)):
+        raise ValueError("small_gemm takes float32 CPU tensors")
+    x, w = x.contiguous(), w.contiguous()
+    m, i = x.shape
+    if w.shape[1] != i:
+        raise ValueError(f"small_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+    y = x.new_empty(m, w.shape[0])
+    lib.smallm_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
+    return y
+

@@ -1,0 +1,84 @@
+"""The native small-M product (specdec/sampling/smallm.c via native.py): it computes x·Wᵀ for every row count and
+odd shape, is built once per machine and cached, and without a compiler it is simply a candidate fewer."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.sampling import native
+from specdec.sampling.kernels import CANDIDATES, KernelTable
+
+has_compiler = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """native.py with an empty build cache in tmp_path and nothing loaded yet."""
+    monkeypatch.setattr(native, "CACHE", tmp_path / "native")
+    native._load.cache_clear()
+    yield tmp_path / "native"
+    native._load.cache_clear()
+
+
+@pytest.mark.skipif(not has_compiler, reason="no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_gemm_is_the_product(threads):
+    """Every row count (blocks of up to 12 rows and what remains), inputs with a tail past the vector width, and
+    output rows that do not split evenly over the threads."""
+    assert native.available()
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, o in [(64, 48), (37, 7), (13, 130), (576, 960)]:
+            w = torch.randn(o, i, generator=g)
+            for m in [1, 2, 3, 5, 8, 11, 12, 13, 25]:
+                x = torch.randn(m, i, generator=g)
+                torch.testing.assert_close(native.small_gemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+    # a non-contiguous operand is multiplied as what it is, not as its storage
+    w = torch.randn(40, 96, generator=g)[:, ::2]
+    x = torch.randn(3, 48, generator=g)
+    torch.testing.assert_close(native.small_gemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        native.small_gemm(x.double(), w.double())
+
+
+@pytest.mark.skipif(not has_compiler, reason="no C compiler on this machine")
+def test_built_once_per_machine(fresh, monkeypatch):
+    assert native.available()
+    built = list(fresh.glob("smallm-*.so"))
+    assert len(built) == 1
+    native._load.cache_clear()
+    monkeypatch.setattr(native.subprocess, "run", _no_compile(native.subprocess.run))
+    assert native.available()  # loaded from the cache: the compiler was only asked its version
+    assert list(fresh.glob("smallm-*.so")) == built
+
+
+def _no_compile(run):
+    def guarded(cmd, *args, **kwargs):
+        if "--version" not in cmd:
+            pytest.fail(f"compiled again: {cmd}")
+        return run(cmd, *args, **kwargs)
+    return guarded
+
+
+@pytest.mark.parametrize("how", ["no compiler", "switched off"])
+def test_without_the_library_the_candidate_is_left_out(fresh, monkeypatch, tmp_path, how):
+    if how == "no compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    else:
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+    assert not native.available()
+    with pytest.raises(RuntimeError):
+        native.small_gemm(torch.randn(2, 8), torch.randn(4, 8))
+    table = KernelTable(None, candidates={"linear": CANDIDATES["linear"], "native": CANDIDATES["native"]},
+                        rows=(1, 2, 5))
+    table.prepare([torch.randn(48, 16)])
+    assert set(table.choice["48x16:float32"].values()) == {"linear"}
+    assert set(table.timings["48x16:float32"][1]) == {"linear"}  # never timed
