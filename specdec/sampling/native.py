@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,7 +37,6 @@ def _cpu_signature() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        import platform
         return platform.processor() + platform.machine()
     keys = ("model name", "cpu family", "model", "flags", "Features", "CPU part")
     first = text.split("\n\n", 1)[0]  # the first processor's block: all cores of a machine here are alike
@@ -112,4 +112,3 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = x.new_empty(m, w.shape[0])
     lib.smallm_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
     return y
-

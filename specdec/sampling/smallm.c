@@ -29,7 +29,7 @@ static inline float hsum(vec v) {
 
 /* y[m, o] for m < mb over weight rows [o0, o1): per weight row, mb·split independent accumulators (mb, split:
    compile-time constants after inlining). A single x row splits its sum over several accumulators, so that enough
-   FMA chains run at once to hide the FMA latency. The last I % (split·LANES) columns: one vector, then scalars. */
+   FMA chains run at once to hide the FMA latency. The last I % (split·LANES) columns: vectors, then scalars. */
 static inline void rows_block(const float *x, const float *w, float *y, const int mb, const int split, int I, int O,
                               int o0, int o1) {
     const int step = split * LANES, i_split = I - I % step, i_vec = I - I % LANES;
@@ -90,4 +90,3 @@ void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, 
         }
     }
 }
-
