@@ -41,7 +41,9 @@ def test_nothing_usable_means_stock(tmp_path):
 
 
 def _slow(x, w):
-    time.sleep(0.002)
+    # 20 ms: far beyond what a preempted pass of the tiny `linear` can take on a loaded 2-core machine (a 2 ms sleep
+    # once lost a re-check to such a pass while another job shared the cores)
+    time.sleep(0.02)
     return F.linear(x, w)
 
 
