@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import kernels, native  # noqa: E402
+from specdec.sampling import native  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
 from specdec.sampling.kernels import CANDIDATES, DEFAULT_CACHE, KernelTable, machine_key  # noqa: E402
 
@@ -40,8 +40,7 @@ def main() -> None:
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.ns} for name in tables}
     for _ in range(args.rounds):  # interleaved rounds: drift hits both alike
         for name, table in tables.items():
-            kernels._TABLE = table  # measured_kernels (inside forward_costs) uses the process-wide table
-            for n, t in forward_costs(base, args.ns, reps=5).items():
+            for n, t in forward_costs(base, args.ns, reps=5, table=table).items():
                 times[name][n].append(t)
     med = {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
     shapes = {k: {r: {c: round(s * 1e6, 1) for c, s in t.items()} for r, t in by_rows.items() if r in (1, 2, 5, 8)}

@@ -12,21 +12,22 @@ import torch
 
 from specdec.base import Base
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.kernels import measured_kernels
+from specdec.sampling.kernels import KernelTable, measured_kernels
 
 
 @torch.no_grad()
 def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
-                  cpu_kernels: str = "measured", lean: bool = True) -> dict[int, float]:
+                  cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None) -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
-    included, exactly as the sampler runs it; `cpu_kernels` and `lean` as in SamplerConfig) for each n in `ns`;
-    rounds of all n are interleaved so drift on a noisy machine hits every n alike."""
+    included, exactly as the sampler runs it; `cpu_kernels` and `lean` as in SamplerConfig; `table`: the kernel table,
+    the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy machine
+    hits every n alike."""
     dev = base.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     fast = cpu_kernels == "measured" and dev.type == "cpu"
     times: dict[int, list[float]] = {n: [] for n in ns}
-    with measured_kernels(base, lean=lean) if fast else nullcontext():
+    with measured_kernels(base, table=table, lean=lean) if fast else nullcontext():
         ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, lean=lean)
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)
