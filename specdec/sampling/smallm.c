@@ -3,7 +3,8 @@
 BLAS kernels are tuned for large M; at M = 1..16 some of them read the weight more than once or leave the cores
 idle (see kernels.py). Here each thread streams its own contiguous block of W's rows exactly once and, per weight
 row, keeps the M dot products in registers while the x rows (M·I floats) stay in L1/L2: for the M of a verify block
-the product costs about what reading W costs, like a single-row GEMV. Rows beyond BLOCK are done BLOCK at a time.
+the product costs little more than reading W once (960×576 on a Zen 3 EPYC: 128 µs at 1 row, 186 at 5, against 211
+and 317 for PyTorch's default). Rows beyond BLOCK are done BLOCK at a time.
 
 Built at first use with the machine's own compiler for its own CPU (-march=native; see native.py), called through
 ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX-512 and NEON alike. */
