@@ -121,16 +121,10 @@ def cpu_model() -> str:
     """The CPU's model name (what `lscpu` calls it) with its family and model numbers, e.g. "AMD EPYC (family 25,
     model 1)": virtual machines often report only "AMD EPYC" for CPUs generations apart (seen here: family 25 model
     1 and model 17, whose kernel choices differ). The architecture when /proc/cpuinfo is missing."""
-    try:
-        fields = {}
-        for line in Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-        if "model name" in fields:
-            ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model") if k in fields]
-            return fields["model name"] + (f" ({', '.join(ids)})" if ids else "")
-    except OSError:
-        pass
+    fields = native.cpu_fields()
+    if "model name" in fields:
+        ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+        return fields["model name"] + (f" ({', '.join(ids)})" if ids else "")
     return platform.processor() or platform.machine()
 
 

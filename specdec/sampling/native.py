@@ -32,15 +32,25 @@ FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-ma
 build_s = 0.0  # seconds spent compiling in this process (reported by make bench, never hidden)
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo as {field: value} (all cores of a machine here are alike); empty
+    where there is no /proc/cpuinfo."""
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in block.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def _cpu_signature() -> str:
     """The CPU's identity as the compiler sees it: model, family and the instruction-set flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
+    fields = cpu_fields()
     keys = ("model name", "cpu family", "model", "flags", "Features", "CPU part")
-    first = text.split("\n\n", 1)[0]  # the first processor's block: all cores of a machine here are alike
-    return "\n".join(l for l in first.splitlines() if l.split(":", 1)[0].strip() in keys)
+    return "\n".join(f"{k}: {fields[k]}" for k in keys if k in fields) or platform.processor() + platform.machine()
 
 
 def _build(compiler: str) -> Path | None:
