@@ -40,15 +40,22 @@ demo: setup
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 
 # The shipped self-distilled text (specdec/data/shipped/): SmolLM2's own greedy answers to stdlib_tasks prompts,
-# in two parts: implement / explain / example requests (the 10 shortest shards of the first 6,000 prompts), then
-# every bare-stub "complete" request (the completion format of code benchmarks, stdlib functions only). Resumable;
-# on a fresh machine it reproduces the shipped file exactly (DISTILL_SHARDS=40 extends it). Nobody needs it to train.
+# in three parts: implement / explain / example requests (the 10 shortest shards of the first 6,000 prompts), every
+# bare-stub "complete" request (the completion format of code benchmarks, stdlib functions), then the same request
+# for the first METHOD_PROMPTS documented methods (complete_method). Resumable; on a fresh machine it reproduces the
+# shipped file (DISTILL_SHARDS=40 or METHOD_PROMPTS=null extend it; DISTILL_FROM=shipped starts from the shipped
+# rows instead of generating them again). Nobody needs it to train.
 DISTILL_SHARDS ?= 10
+METHOD_PROMPTS ?= 2048
+DISTILL_FROM ?= null
 DISTILL := OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
+SHIPPED := specdec/data/shipped/stdlib_tasks.jsonl.gz
 distill: setup
-	$(DISTILL) max_shards=$(DISTILL_SHARDS) hydra.run.dir=logs/distill/general
-	$(DISTILL) '+prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete \
-	    ship_to=specdec/data/shipped/stdlib_tasks.jsonl.gz "ship_command='make distill DISTILL_SHARDS=$(DISTILL_SHARDS)'"
+	$(DISTILL) max_shards=$(DISTILL_SHARDS) hydra.run.dir=logs/distill/general \
+	    start_from=$(if $(filter shipped,$(DISTILL_FROM)),$(SHIPPED),null)
+	$(DISTILL) '+prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete
+	$(DISTILL) '+prompts.kinds=[complete_method]' limit=$(METHOD_PROMPTS) hydra.run.dir=logs/distill/complete_method \
+	    ship_to=$(SHIPPED) "ship_command='make distill DISTILL_SHARDS=$(DISTILL_SHARDS) METHOD_PROMPTS=$(METHOD_PROMPTS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup

@@ -59,6 +59,10 @@ def test_stdlib_complete_kind_is_the_bare_stub_completion_format():
     instruction = humaneval(1)[0]["turns"][0].split("\n\n")[0]  # the evaluation's instruction line
     assert text.startswith(instruction + "\n\ndef ") and '"""' in text and "```" not in text
     assert not any("." in i.split(":")[1] for i in done["id"])  # functions only: a method needs its class
+    methods = stdlib_tasks(limit=50, kinds=["complete_method"])  # the same request for each method's stub
+    assert all(i.endswith(":complete_method") and "." in i.split(":")[1] for i in methods["id"])
+    assert all(m[0]["content"].startswith((instruction + "\n\ndef ", instruction + "\n\nasync def "))
+               for m in methods["messages"])
     with pytest.raises(ValueError, match="unknown stdlib task kinds"):
         stdlib_tasks(kinds=["translate"])
 
@@ -200,3 +204,24 @@ def test_shipped_text_round_trips_and_refuses_another_base(prompts, tiny, tmp_pa
     target.write_bytes(target.read_bytes()[:-4] + b"\0\0\0\0")  # a damaged file is refused, not half-read
     with pytest.raises(ValueError, match="manifest"):
         load_distilled(target)
+
+
+def test_a_shipped_set_restored_is_extended_without_generating_it_again(prompts, tiny, tmp_path, monkeypatch):
+    from specdec.data.distill import restore, ship
+
+    run(prompts, tiny, tmp_path / "d", limit=6)
+    target = ship(tmp_path / "d", tmp_path / "ship" / "set.jsonl.gz")
+    restore(target, tmp_path / "again", shard_size=4)
+    assert by_id(load_distilled(tmp_path / "again")) == by_id(load_distilled(tmp_path / "d"))
+    restore(target, tmp_path / "again")  # resuming: it already holds every shipped row, nothing happens
+    asked = []
+    monkeypatch.setattr(distill_mod, "generate", lambda base, ids, *a, **k: asked.extend(ids) or generate(
+        base, ids, *a, **k))
+    grown = run(prompts, tiny, tmp_path / "again")  # only the 4 prompts the shipped set lacks are generated
+    assert len(asked) == 4 and by_id(grown) == by_id(run(prompts, tiny, tmp_path / "whole"))
+    assert ship(tmp_path / "again", tmp_path / "ship2" / "set.jsonl.gz").read_bytes() != target.read_bytes()
+    with pytest.raises(ValueError, match="restore into an empty out_dir"):
+        restore(tmp_path / "ship2" / "set.jsonl.gz", tmp_path / "d")
+    run(prompts, tiny, tmp_path / "other", sampler=SamplerConfig(max_new_tokens=7), limit=1)
+    with pytest.raises(ValueError, match="restore into an empty out_dir"):
+        restore(target, tmp_path / "other")

@@ -164,6 +164,32 @@ def ship(out_dir: str | Path, target: str | Path = SHIPPED, command: str = "") -
     return target
 
 
+def restore(shipped: str | Path, out_dir: str | Path, shard_size: int = 128) -> None:
+    """Start an empty `out_dir` from a shipped set (its rows as shards, its manifest's settings as meta.json), so
+    that a distill run into it extends the shipped set instead of generating it again. A rerun into an `out_dir`
+    that already holds every shipped row does nothing (resuming); any other non-empty `out_dir` is refused."""
+    shipped, out = Path(shipped).expanduser(), Path(out_dir).expanduser()
+    manifest = json.loads(_manifest_path(shipped).read_text())
+    rows = _load_shipped(shipped)
+    if _shards(out):
+        missing = set(rows["id"]) - set(load_distilled(out)["id"])
+        if missing:
+            raise ValueError(f"{out} already holds distilled data without {len(missing)} rows of {shipped}: "
+                             f"restore into an empty out_dir")
+        return
+    keys = ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "engine")
+    _write_or_check_meta(out, {**{k: manifest[k] for k in keys}, "eos_token_id": manifest["eos_token_id"],
+                               "base": manifest["base"], "fingerprint": manifest["fingerprint"]})
+    constant = {**{k: manifest[k] for k in keys}, "base": manifest["base"],
+                "base_sha256": manifest["fingerprint"]["weights_sha256"]}
+    full = [{"id": r["id"], "messages": r["messages"],
+             "prompt": next(t["content"] for t in reversed(r["messages"]) if t["role"] == "user"),
+             "response": r["messages"][-1]["content"], "response_tokens": r["response_tokens"],
+             "finished": r["finished"], **constant} for r in rows]
+    for s, lo in enumerate(range(0, len(full), shard_size)):
+        _save_atomic(out / "shards" / f"{s:05d}", Dataset.from_list(full[lo : lo + shard_size]))
+
+
 def _load_shipped(path: Path) -> Dataset:
     manifest = json.loads(_manifest_path(path).read_text())
     data = path.read_bytes()
@@ -315,6 +341,8 @@ def main(cfg: DictConfig) -> None:
     base: Base = hydra.utils.instantiate(cfg.base)
     prompts: Dataset = hydra.utils.instantiate(cfg.prompts)
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
+    if cfg.start_from:
+        restore(cfg.start_from, cfg.out_dir, shard_size=cfg.shard_size)
     distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
             shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards)
     if cfg.ship_to:

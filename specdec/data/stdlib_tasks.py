@@ -5,7 +5,8 @@ evaluation prompt (HumanEval) can leak into training data.
 
 The `complete` kind asks in the *format* code-completion benchmarks use (an instruction, then the bare signature and
 docstring, unfenced: what `specdec.data.prompts.humaneval` sends), so the base's answers to it teach a drafter the
-shape of a completion answer; its content is still a stdlib function, never a benchmark problem."""
+shape of a completion answer; its content is still a stdlib function, never a benchmark problem. `complete_method`
+asks the same of the documented public methods, each stub on its own."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ TEMPLATES = {
     "example": "Write a short usage example for `{module}.{qualname}` from the Python standard library:\n\n"
                "```python\n{stub}\n```",
     "complete": "Complete the following Python function.\n\n{stub}\n",
+    # the same request for a method's stub (self and all, no class around it): more answers in the completion
+    # format once the stdlib's documented module-level functions are used up (1,273 of them, 2,734 such methods)
+    "complete_method": "Complete the following Python function.\n\n{stub}\n",
 }
 KINDS = ("implement", "explain", "example")  # the default set (the shipped text's first part); "complete" is opt-in
 
@@ -72,8 +76,8 @@ def _file_tasks(path: Path, rel: str, kinds: Sequence[str]) -> list[tuple[str, s
         for kind in kinds:
             if kind == "explain" and len(fields["source"]) > MAX_CHARS:
                 continue
-            if kind == "complete" and cls:  # a method's body needs its class: only functions stand alone
-                continue
+            if (kind == "complete" and cls) or (kind == "complete_method" and not cls):
+                continue  # module-level functions / methods of module-level classes
             tasks.append((f"{rel}:{qualname}:{kind}", TEMPLATES[kind].format(**fields)))
     return tasks
 
