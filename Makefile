@@ -43,11 +43,13 @@ demo: setup
 # in three parts: implement / explain / example requests (the 10 shortest shards of the first 6,000 prompts), every
 # bare-stub "complete" request (the completion format of code benchmarks, stdlib functions), then the same request
 # for the first METHOD_PROMPTS documented methods (complete_method); and a second file, sampled answers (T = 0.7,
-# top-p 0.95) to every "complete" request. Resumable; on a fresh machine it reproduces the shipped files
-# (DISTILL_SHARDS=40 or METHOD_PROMPTS=null extend them; DISTILL_FROM=shipped starts from the shipped rows instead
-# of generating them again). Nobody needs it to train.
+# top-p 0.95) to the completion requests of both kinds (the SAMPLED_SHARDS shards of the shortest prompts).
+# Resumable; on a fresh machine it reproduces the shipped files (DISTILL_SHARDS=40, METHOD_PROMPTS=null or a larger
+# SAMPLED_SHARDS extend them; DISTILL_FROM=shipped starts from the shipped rows instead of generating them again).
+# Nobody needs it to train.
 DISTILL_SHARDS ?= 10
 METHOD_PROMPTS ?= 2048
+SAMPLED_SHARDS ?= 20
 DISTILL_FROM ?= null
 DISTILL := OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.distill
 SHIPPED := specdec/data/shipped/stdlib_tasks.jsonl.gz
@@ -58,9 +60,10 @@ distill: setup
 	$(DISTILL) '+prompts.kinds=[complete]' limit=null hydra.run.dir=logs/distill/complete
 	$(DISTILL) '+prompts.kinds=[complete_method]' limit=$(METHOD_PROMPTS) hydra.run.dir=logs/distill/complete_method \
 	    ship_to=$(SHIPPED) "ship_command='make distill DISTILL_SHARDS=$(DISTILL_SHARDS) METHOD_PROMPTS=$(METHOD_PROMPTS)'"
-	$(DISTILL) '+prompts.kinds=[complete]' limit=null sampler.temperature=0.7 sampler.top_p=0.95 \
-	    'out_dir=$${paths.cache_dir}/distill/stdlib_complete_sampled' hydra.run.dir=logs/distill/complete_sampled \
-	    start_from=$(if $(filter shipped,$(DISTILL_FROM)),$(SAMPLED),null) ship_to=$(SAMPLED) "ship_command='make distill'"
+	$(DISTILL) '+prompts.kinds=[complete,complete_method]' limit=null max_shards=$(SAMPLED_SHARDS) \
+	    sampler.temperature=0.7 sampler.top_p=0.95 'out_dir=$${paths.cache_dir}/distill/stdlib_complete_sampled' \
+	    hydra.run.dir=logs/distill/complete_sampled start_from=$(if $(filter shipped,$(DISTILL_FROM)),$(SAMPLED),null) \
+	    ship_to=$(SAMPLED) "ship_command='make distill SAMPLED_SHARDS=$(SAMPLED_SHARDS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup

@@ -147,7 +147,8 @@ def _paths(path: Paths) -> list[Path]:
 # The default set is shipped inside the package as text (prompts + responses), so no user regenerates it;
 # `make distill` reproduces it: the resumable shards above, then `ship` writes this file and its manifest.
 SHIPPED = Path(__file__).resolve().parent / "shipped" / "stdlib_tasks.jsonl.gz"
-# the same completion-format prompts answered by sampling (T = 0.7, top-p 0.95): opt in with data.source.path
+# completion-format prompts (complete, complete_method) answered by sampling (T = 0.7, top-p 0.95): opt in with
+# data.source.path=[<SHIPPED>, <SHIPPED_SAMPLED>]
 SHIPPED_SAMPLED = SHIPPED.with_name("stdlib_complete_sampled.jsonl.gz")
 SHIPPED_COLUMNS = ("id", "messages", "response_tokens", "finished")
 

@@ -29,7 +29,7 @@ TEMPLATES = {
                "```python\n{stub}\n```",
     "complete": "Complete the following Python function.\n\n{stub}\n",
     # the same request for a method's stub (self and all, no class around it): more answers in the completion
-    # format once the stdlib's documented module-level functions are used up (1,273 of them, 2,734 such methods)
+    # format once the stdlib's documented module-level functions are used up (1,273 of them; 2,583 methods)
     "complete_method": "Complete the following Python function.\n\n{stub}\n",
 }
 KINDS = ("implement", "explain", "example")  # the default set (the shipped text's first part); "complete" is opt-in
