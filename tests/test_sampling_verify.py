@@ -123,6 +123,18 @@ def test_process_logits_temperature_top_k_top_p():
     assert (p[0] > 0).tolist() == [True, True, False, False]
 
 
+def test_top_p_found_among_the_top_k_equals_the_full_sort():
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.01, 0.1, 1.0, 3.0, 5.0, 8.0]).view(6, 1, 1)  # flat rows (the k cannot cover) to peaked
+    z = torch.randn(6, 2, 500, generator=g) * scale
+    for top_p in (0.5, 0.9, 0.95):
+        sorted_p, order = z.softmax(-1).sort(-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        reference = drop.scatter(-1, order, drop)
+        for k in (8, 64, 500):
+            assert torch.equal(verify._outside_top_p(z, top_p, k), reference)
+
+
 def test_sample_is_inverse_cdf():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(4, 4)
     assert verify.sample(probs, torch.tensor([0.0, 0.49, 0.5, 0.999])).tolist() == [1, 1, 3, 3]

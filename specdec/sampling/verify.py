@@ -19,12 +19,25 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        sorted_p = sorted_z.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        z = z.masked_fill(_outside_top_p(z, top_p), float("-inf"))
     return z.softmax(-1)
+
+
+def _outside_top_p(z: torch.Tensor, top_p: float, k: int = 256) -> torch.Tensor:
+    """Where z [..., V] falls outside the nucleus: a token is dropped when the tokens ranked above it already cover
+    top_p (the first one always stays). The nucleus is found among the k most likely tokens, and only rows whose k
+    do not cover top_p sort their whole vocabulary: a sort of 49,152 logits per row costs more than a batched
+    decode step of a small base (64 rows on 2 cores: 270 ms against 32 for the top 1024)."""
+    p = z.softmax(-1)
+    top_p_, order = p.topk(min(k, p.shape[-1]), dim=-1)  # [..., k], descending
+    drop = (top_p_.cumsum(-1) - top_p_) >= top_p
+    out = torch.ones_like(p, dtype=torch.bool).scatter_(-1, order, drop)
+    short = top_p_.sum(-1) < top_p  # [...]: the k most likely do not cover top_p
+    if bool(short.any()):
+        sorted_p, full = p[short].sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        out[short] = drop.scatter(-1, full, drop)
+    return out
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
