@@ -3,7 +3,9 @@
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_distill.py [--prompts 64] [--batch 32] [--max-new-tokens 256]
 
 The prompts are the first stdlib_tasks requests (what `make distill` answers), greedy, sorted by length and
-batched as `specdec.data.distill` does. Throughput = generated response tokens / wall time, prefill included."""
+batched as `specdec.data.distill` does. Throughput = generated response tokens / wall time, prefill included.
+Then one batch of ours split into prefill and decode, each with the FLOP rate it ran at (2 x the decoder layers'
+parameters per token, + the lm_head's where logits are made), and the ceiling the prefill's rate would give."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from specdec.base import load_base  # noqa: E402
 from specdec.data.distill import _eos, _hf, _ours, _prompt_rows  # noqa: E402
 from specdec.data.prompts import render_chat  # noqa: E402
 from specdec.data.stdlib_tasks import stdlib_tasks  # noqa: E402
-from specdec.sampling.decode import SamplerConfig  # noqa: E402
+from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 from specdec.sampling.kernels import machine_key  # noqa: E402
 
 
@@ -48,16 +50,42 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         results[name] = {"tokens": tokens, "seconds": round(seconds, 1), "tok_s": round(tokens / seconds, 1)}
         print(f"{name:26s} {tokens:7d} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s", flush=True)
+    split = prefill_decode_split(base, prompts[: args.batch], args.max_new_tokens)
+    print(json.dumps(split))
     hf = results["hf generate"]["tok_s"]
     report = {"cpu": machine_key(), "machine": platform.machine(), "threads": torch.get_num_threads(),
               "prompts": len(prompts), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1), "results": results,
-              "speedup_vs_hf": {k: round(v["tok_s"] / hf, 2) for k, v in results.items()},
+              "speedup_vs_hf": {k: round(v["tok_s"] / hf, 2) for k, v in results.items()}, "split": split,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_distill.py "
                          f"--prompts {args.prompts} --batch {args.batch} --max-new-tokens {args.max_new_tokens}"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report["speedup_vs_hf"]), "->", args.out)
+
+
+def prefill_decode_split(base, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """One batch of our greedy decoding: where its time goes, and at what FLOP rate. Distillation is compute-bound
+    (a batch multiplies every weight by tens of rows), so FLOPs, not bytes, bound it: per response token the base
+    runs its decoder layers once for the token and once per prompt token (amortised), the lm_head once."""
+    cfg = SamplerConfig(max_new_tokens=max_new_tokens, eos_token_id=_eos(base, SamplerConfig()))
+    r = generate(base, prompts, None, cfg)
+    layers = 2 * sum(p.numel() for layer in base.layers for p in layer.parameters())  # FLOPs per token
+    head = 2 * base.lm_head.weight.numel()
+    padded, generated = len(prompts) * max(map(len, prompts)), sum(r.num_generated)
+    prefill_flops = padded * layers + len(prompts) * head
+    decode_flops = (generated - len(prompts)) * (layers + head)  # the first token's logits came with the prefill
+    prefill_rate = prefill_flops / r.ttft_s
+    per_response_token = (sum(map(len, prompts)) * layers + generated * (layers + head)) / generated
+    steps = sorted(r.step_verify_s)
+    return {"rows": len(prompts), "prompt_tokens": sum(map(len, prompts)), "padded_prompt_tokens": padded,
+            "generated": generated, "seconds": round(r.total_s, 2), "tok_s": round(generated / r.total_s, 1),
+            "prefill_s": round(r.ttft_s, 2), "prefill_share": round(r.ttft_s / r.total_s, 3),
+            "prefill_gflop_s": round(prefill_rate / 1e9, 1),
+            "decode_gflop_s": round(decode_flops / (r.total_s - r.ttft_s) / 1e9, 1),
+            "decode_step_ms": {"first": round(1e3 * r.step_verify_s[0], 1),
+                               "median": round(1e3 * steps[len(steps) // 2], 1), "last": round(1e3 * r.step_verify_s[-1], 1)},
+            "ceiling_tok_s_at_prefill_rate": round(prefill_rate / per_response_token, 1)}
 
 
 if __name__ == "__main__":
