@@ -242,7 +242,7 @@ def test_several_sets_join_as_one_source_and_each_is_checked(prompts, tiny, tmp_
         check_base(tiny, [str(greedy), str(tmp_path / "other")])
 
 
-@pytest.mark.parametrize("name", ["SHIPPED"])
+@pytest.mark.parametrize("name", ["SHIPPED", "SHIPPED_SAMPLED"])
 def test_shipped_sets_match_their_manifests_and_hold_no_evaluation_prompt(name):
     from specdec.data.distill import _manifest_path
     from specdec.data.prompts import humaneval, question_jsonl
