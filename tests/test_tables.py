@@ -30,7 +30,7 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, tuple[Future, object]]:
     """The smoke runs of the selected tests, started together on one worker per core (up to 4), one thread each.
     A smoke run is three processes (the table, train.py, evaluate.py) that spend most of their time importing and
     stepping tiny models on one core, so two cores finish the eight runs in about half the time one after another
-    takes: ~3 of make test's ~11 minutes on a 2-core CPU."""
+    takes (make test on a 2-core Zen 3 EPYC: 8 min 14 s, against 10 min 36-57 s with the runs in turn)."""
     selected = [item.name for item in request.session.items if item.module is request.module]
     runs = [t for t in TABLES if f"test_table_smoke[{t}]" in selected]
     if "test_table_with_a_failed_job_exits_nonzero" in selected:
