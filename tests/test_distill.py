@@ -6,7 +6,7 @@ import json
 import pytest
 from datasets import Dataset
 
-from conftest import compose_train
+from conftest import ROOT, compose_train
 from specdec.base import tiny_base
 from specdec.data import distill as distill_mod
 from specdec.data.datamodule import TextDataModule
@@ -246,7 +246,6 @@ def test_several_sets_join_as_one_source_and_each_is_checked(prompts, tiny, tmp_
 def test_shipped_sets_match_their_manifests_and_hold_no_evaluation_prompt(name):
     from specdec.data.distill import _manifest_path
     from specdec.data.prompts import humaneval, question_jsonl
-    from conftest import ROOT
 
     path = getattr(distill_mod, name)
     rows = load_distilled(path)  # refuses a file that does not match its manifest's sha256
