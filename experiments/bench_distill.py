@@ -1,9 +1,12 @@
-"""Self-distillation throughput: our batched decode loop vs HF `generate` at the same batch, same prompts, same run.
+"""Self-distillation throughput: our decode loop with continuous batching (what `specdec.data.distill` runs), the
+same loop in fixed batches (what it ran before), and HF `generate` at the same batch, same prompts, same run.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_distill.py [--prompts 64] [--batch 32] [--max-new-tokens 256]
 
-The prompts are the first stdlib_tasks requests (what `make distill` answers), greedy, sorted by length and
-batched as `specdec.data.distill` does. Throughput = generated response tokens / wall time, prefill included.
+The prompts are the first stdlib_tasks requests (what `make distill` answers), greedy, sorted by length: at most
+--batch rows live (continuous: a finished row takes the next prompt; fixed: consecutive batches, finished rows leave
+theirs). Throughput = generated response tokens / wall time, prefill included. `same_as_fixed`: prompts whose
+continuous answer equals the fixed-batch one (row counts differ, so the measured kernels' last bits may too).
 Then one batch of ours split into prefill and decode, each with the FLOP rate it ran at (2 x the decoder layers'
 parameters per token, + the lm_head's where logits are made), and the ceiling the prefill's rate would give."""
 
@@ -14,6 +17,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,30 +42,47 @@ def main() -> None:
     rows = _prompt_rows(stdlib_tasks(args.prompts), args.prompts)
     prompts = sorted((render_chat(base.tokenizer, m) for _, m in rows), key=len)
     ids = [i for i, _ in rows]
-    results = {}
-    for name, kernels, engine in [("ours", "measured", _ours), ("ours, cpu_kernels=stock", "stock", _ours),
-                                  ("hf generate", "stock", _hf)]:
+    engines = [("ours", "measured", _ours), ("ours, fixed batches", "measured", fixed_batches),
+               ("ours, cpu_kernels=stock", "stock", _ours),
+               ("hf generate", "stock", lambda *a: _hf(*a, shard_size=len(prompts)))]
+    results, answers = {}, {}
+    for name, kernels, engine in engines:
         cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, cpu_kernels=kernels)
-        run = engine(base, cfg, _eos(base, cfg), 0)
-        run(prompts[:2], ids[:2]) if name == "ours" else None  # kernel measurement + warm-up, not timed
-        t0, tokens = time.perf_counter(), 0
-        for lo in range(0, len(prompts), args.batch):
-            tokens += sum(len(r) for r in run(prompts[lo : lo + args.batch], ids[lo : lo + args.batch]))
+        run = engine(base, cfg, _eos(base, cfg), 0, args.batch)
+        list(run(prompts[:2], ids[:2])) if name == "ours" else None  # kernel measurement + warm-up, not timed
+        t0 = time.perf_counter()
+        answers[name] = dict(run(prompts, ids))
         seconds = time.perf_counter() - t0
+        tokens = sum(map(len, answers[name].values()))
         results[name] = {"tokens": tokens, "seconds": round(seconds, 1), "tok_s": round(tokens / seconds, 1)}
         print(f"{name:26s} {tokens:7d} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s", flush=True)
+    same = sum(answers["ours"][i] == answers["ours, fixed batches"][i] for i in answers["ours"])
     split = prefill_decode_split(base, prompts[: args.batch], args.max_new_tokens)
     print(json.dumps(split))
     hf = results["hf generate"]["tok_s"]
     report = {"cpu": machine_key(), "machine": platform.machine(), "threads": torch.get_num_threads(),
               "prompts": len(prompts), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1), "results": results,
+              "same_as_fixed": f"{same}/{len(prompts)}",
               "speedup_vs_hf": {k: round(v["tok_s"] / hf, 2) for k, v in results.items()}, "split": split,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_distill.py "
                          f"--prompts {args.prompts} --batch {args.batch} --max-new-tokens {args.max_new_tokens}"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report["speedup_vs_hf"]), "->", args.out)
+
+
+def fixed_batches(base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int):
+    """The engine distill ran before continuous batching: `generate` on consecutive batches of the sorted prompts
+    (finished rows leave their batch, none joins it). Greedy here, so no per-row generators."""
+    cfg = replace(sampler, eos_token_id=eos)
+
+    def run(prompt_ids: list[list[int]], ids: list[str]):
+        for lo in range(0, len(ids), batch_size):
+            r = generate(base, prompt_ids[lo : lo + batch_size], None, cfg)
+            yield from ((lo + b, r.tokens[b, :n].tolist()) for b, n in enumerate(r.num_generated))
+
+    return run
 
 
 def prefill_decode_split(base, prompts: list[list[int]], max_new_tokens: int) -> dict:

@@ -2,8 +2,10 @@
 exactly what the sampler generates, resuming without duplicates, refusals, and training from the result."""
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 from datasets import Dataset
 
 from conftest import ROOT, compose_train
@@ -13,7 +15,9 @@ from specdec.data.datamodule import TextDataModule
 from specdec.data.distill import distill, distilled, load_distilled
 from specdec.data.prompts import render_chat
 from specdec.data.stdlib_tasks import stdlib_tasks
+from specdec.sampling import stream as stream_mod
 from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.stream import stream
 from test_configs import _check_targets
 
 COLUMNS = {"id", "messages", "prompt", "response", "response_tokens", "finished", "temperature", "top_k", "top_p",
@@ -87,6 +91,33 @@ def test_shards_hold_what_generate_returns(prompts, tiny, tmp_path):
         assert row["prompt"] == turns[-1]["content"]
         assert (row["response_tokens"], row["finished"]) == (len(tokens), tokens[-1] == stop)
     assert rows["q0"]["finished"] and not all(rows[i]["finished"] for i in rows)
+
+
+@pytest.mark.parametrize("refill_at", [1, 2])
+@pytest.mark.parametrize("sampler", [{}, {"temperature": 1.0, "top_k": 40, "top_p": 0.9},
+                                     {"lean": False, "cpu_kernels": "stock"}], ids=["greedy", "sampled", "hf_layers"])
+def test_continuous_batch_rows_equal_each_prompt_alone(tiny, sampler, refill_at, monkeypatch):
+    """11 prompts through 3 rows: rows end at many different steps (EOS tokens, one at a first token, and
+    max_new_tokens), their rows are refilled, and every answer equals `generate` on its prompt alone with the same
+    generator, greedy or sampled."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (4, 7, 2, 5, 6, 3, 8, 5, 9, 1, 12)]
+    gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]  # noqa: E731
+    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], **sampler)
+    free = [generate(tiny, [p], None, cfg, [g]).tokens[0].tolist() for p, g in zip(prompts, gens())]
+    cfg = replace(cfg, eos_token_id=sorted({row[k] for k, row in zip((0, 1, 3, 5, 9), free)}))
+    alone = [generate(tiny, [p], None, cfg, [g]) for p, g in zip(prompts, gens())]
+    alone = [r.tokens[0, : r.num_generated[0]].tolist() for r in alone]
+    prefills, prefill = [], stream_mod._prefill
+    monkeypatch.setattr(stream_mod, "_prefill", lambda base, c, ids, n: prefills.append(len(ids)) or prefill(
+        base, c, ids, n))
+    answers = list(stream(tiny, prompts, cfg, batch_size=3, generators=gens(), refill_at=refill_at))
+    assert sorted(i for i, _ in answers) == list(range(len(prompts)))
+    assert {i: t for i, t in answers} == dict(enumerate(alone))
+    assert len({len(t) for t in alone}) > 3  # rows ended at many different steps
+    # the first fill, then refills: with refill_at = 2 the newcomers of rows freed together share one prefill
+    assert prefills[0] == 3 and sum(prefills) == len(prompts) and len(prefills) > 3
+    assert all(k >= refill_at for k in prefills[1:-1])
 
 
 def test_hf_engine_matches_ours_when_greedy(prompts, tiny, tmp_path):
@@ -215,7 +246,7 @@ def test_a_shipped_set_restored_is_extended_without_generating_it_again(prompts,
     assert by_id(load_distilled(tmp_path / "again")) == by_id(load_distilled(tmp_path / "d"))
     restore(target, tmp_path / "again")  # resuming: it already holds every shipped row, nothing happens
     asked = []
-    monkeypatch.setattr(distill_mod, "generate", lambda base, ids, *a, **k: asked.extend(ids) or generate(
+    monkeypatch.setattr(distill_mod, "stream", lambda base, ids, *a, **k: asked.extend(ids) or stream(
         base, ids, *a, **k))
     grown = run(prompts, tiny, tmp_path / "again")  # only the 4 prompts the shipped set lacks are generated
     assert len(asked) == 4 and by_id(grown) == by_id(run(prompts, tiny, tmp_path / "whole"))

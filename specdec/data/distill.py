@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -37,9 +37,10 @@ from specdec.base import Base
 from specdec.checkpoint import write_json
 from specdec.data.prompts import render_chat
 from specdec.data.stdlib_tasks import task_kind
-from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.decode import SamplerConfig
+from specdec.sampling.stream import stream
 
-ENGINES = ("specdec", "hf")  # our decode loop with no drafter | transformers' generate with left padding
+ENGINES = ("specdec", "hf")  # our decode loop, no drafter, continuous batching | transformers' generate, left padding
 
 
 def distill(
@@ -75,21 +76,22 @@ def distill(
     # Shards of similar prompt lengths: a batch pads to its longest prompt, so mixing lengths wastes prefill.
     # Which prompts are answered does not change (the first `limit`), only the order they are answered in.
     todo.sort(key=lambda p: len(rendered[p[0]]))
-    run = (_ours if engine == "specdec" else _hf)(base, sampler, eos, seed)
-    constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
     first = int(existing[-1].name) + 1 if existing else 0
-    generated, seconds = 0, 0.0
+    if max_shards is not None:
+        todo = todo[: max(0, max_shards - first) * shard_size]
+    run = _ours(base, sampler, eos, seed, batch_size) if engine == "specdec" else _hf(
+        base, sampler, eos, seed, batch_size, shard_size)
+    constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
+    generated, t0 = 0, time.perf_counter()
     with tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
-        for s, lo in enumerate(range(0, len(todo), shard_size), start=first):
-            if max_shards is not None and s >= max_shards:
-                break
-            items = todo[lo : lo + shard_size]
-            t0 = time.perf_counter()
-            responses = _generate_shard(run, [rendered[i] for i, _ in items], [i for i, _ in items], batch_size, bar)
-            seconds += time.perf_counter() - t0
+        # one run over every prompt (a continuous batch refills across shard boundaries), each shard written as
+        # soon as it and those before it are answered
+        answers = run([rendered[i] for i, _ in todo], [i for i, _ in todo])
+        for s, (lo, responses) in enumerate(_in_shards(answers, len(todo), shard_size, bar), start=first):
             generated += sum(len(r) for r in responses)
-            rows = [_row(base, i, m, r, eos) | constant for (i, m), r in zip(items, responses)]
+            rows = [_row(base, i, m, r, eos) | constant for (i, m), r in zip(todo[lo : lo + shard_size], responses)]
             _save_atomic(out / "shards" / f"{s:05d}", Dataset.from_list(rows))
+    seconds = time.perf_counter() - t0
     if generated:
         print(f"[specdec] distilled {bar.n:,} responses, {generated:,} tokens in {seconds:.0f} s "
               f"({generated / max(seconds, 1e-9):.1f} tok/s, {engine}, batch {batch_size}) -> {out}")
@@ -235,40 +237,45 @@ def _prompt_rows(prompts: Dataset, limit: int | None) -> list[tuple[str, list[di
 
 
 # -- generation --------------------------------------------------------------------------------------
-Engine = Callable[[list[list[int]], list[str]], list[list[int]]]  # (prompt ids, row ids) -> generated tokens
+# (prompt ids sorted by length, row ids) -> (index, generated tokens: EOS included when the base closed its turn) for
+# every prompt, in the order the engine answers them
+Engine = Callable[[list[list[int]], list[str]], Iterator[tuple[int, list[int]]]]
 
 
-def _generate_shard(run: Engine, prompt_ids: list[list[int]], ids: list[str], batch_size: int,
-                    bar: tqdm) -> list[list[int]]:
-    """Generated tokens per prompt (EOS included when the base closed its turn), in the given order."""
-    order = sorted(range(len(ids)), key=lambda i: len(prompt_ids[i]))  # similar lengths together: less padding
-    out: list[list[int]] = [[] for _ in ids]
-    for lo in range(0, len(order), batch_size):
-        rows = order[lo : lo + batch_size]
-        for i, tokens in zip(rows, run([prompt_ids[i] for i in rows], [ids[i] for i in rows])):
-            out[i] = tokens
-        bar.update(len(rows))
-    return out
+def _in_shards(answers: Iterator[tuple[int, list[int]]], n: int, shard_size: int,
+               bar: tqdm) -> Iterator[tuple[int, list[list[int]]]]:
+    """(lo, the responses to prompts lo .. lo + shard_size - 1 in order) for each shard of the n prompts, in order,
+    as soon as it and every shard before it are answered: an engine answers in its own order (a continuous batch
+    ends short answers first), and a shard is written whole, the unit of resuming."""
+    responses: list[list[int]] = [[] for _ in range(n)]
+    missing = [min(shard_size, n - lo) for lo in range(0, n, shard_size)]  # per shard: answers still to come
+    done = 0
+    for i, tokens in answers:
+        responses[i] = tokens
+        missing[i // shard_size] -= 1
+        bar.update(1)
+        while done < len(missing) and not missing[done]:
+            yield done * shard_size, responses[done * shard_size : (done + 1) * shard_size]
+            done += 1
 
 
-def _ours(base: Base, sampler: SamplerConfig, eos: list[int], seed: int) -> Engine:
+def _ours(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int) -> Engine:
     cfg = replace(sampler, eos_token_id=eos)
 
-    def run(prompt_ids: list[list[int]], ids: list[str]) -> list[list[int]]:
+    def run(prompt_ids: list[list[int]], ids: list[str]) -> Iterator[tuple[int, list[int]]]:
         # one generator per row, seeded by the row's id: a sampled response does not depend on its batch or shard
         gens = [torch.Generator(device=base.device).manual_seed(_row_seed(seed, i)) for i in ids]
-        r = generate(base, prompt_ids, None, cfg, generator=gens)
-        return [r.tokens[b, : r.num_generated[b]].tolist() for b in range(len(ids))]
+        return stream(base, prompt_ids, cfg, batch_size, gens)
 
     return run
 
 
-def _hf(base: Base, sampler: SamplerConfig, eos: list[int], seed: int) -> Engine:
+def _hf(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int, shard_size: int) -> Engine:
     pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos or [0])[0]
     sampling = {"do_sample": True, "temperature": sampler.temperature, "top_p": sampler.top_p,
                 "top_k": sampler.top_k or None} if sampler.temperature > 0 else {"do_sample": False}
 
-    def run(prompt_ids: list[list[int]], ids: list[str]) -> list[list[int]]:
+    def run_batch(prompt_ids: list[list[int]], ids: list[str]) -> list[list[int]]:
         longest = max(len(p) for p in prompt_ids)
         ids_t = torch.tensor([[pad] * (longest - len(p)) + p for p in prompt_ids], device=base.device)  # [B, P]
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=base.device)
@@ -278,6 +285,14 @@ def _hf(base: Base, sampler: SamplerConfig, eos: list[int], seed: int) -> Engine
             seq = base.model.generate(ids_t, attention_mask=mask, max_new_tokens=sampler.max_new_tokens,
                                       eos_token_id=eos, pad_token_id=pad, **sampling)  # [B, P + n]
         return [_cut_at_eos(row[longest:].tolist(), eos) for row in seq]
+
+    def run(prompt_ids: list[list[int]], ids: list[str]) -> Iterator[tuple[int, list[int]]]:
+        # fixed batches within each shard: a resumed run batches, hence seeds, its shards as an uninterrupted one
+        for lo in range(0, len(ids), shard_size):
+            end = min(lo + shard_size, len(ids))
+            for start in range(lo, end, batch_size):
+                rows = range(start, min(start + batch_size, end))
+                yield from zip(rows, run_batch([prompt_ids[i] for i in rows], [ids[i] for i in rows]))
 
     return run
 
