@@ -140,9 +140,16 @@ def check_base(base: Base, path: Paths = None) -> None:
 
 
 def _paths(path: Paths) -> list[Path]:
+    """Each entry as a path; None = the shipped greedy set, and a bare name of a shipped file (e.g.
+    "stdlib_complete_sampled.jsonl.gz") is that file in the package, so a config can name it on any machine."""
     if path is None:
         return [SHIPPED]
-    return [Path(p).expanduser() for p in ([path] if isinstance(path, (str, Path)) else path)]
+    entries = [path] if isinstance(path, (str, Path)) else path
+    return [SHIPPED.with_name(str(p)) if _is_shipped_name(p) else Path(p).expanduser() for p in entries]
+
+
+def _is_shipped_name(p: str | Path) -> bool:
+    return Path(p).name == str(p) and not Path(p).exists() and SHIPPED.with_name(str(p)).exists()
 
 
 # -- the shipped text ----------------------------------------------------------------------------------
