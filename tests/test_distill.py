@@ -2,8 +2,8 @@
 exactly what the sampler generates, resuming without duplicates, refusals, and training from the result."""
 
 import json
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch

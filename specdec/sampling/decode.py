@@ -211,7 +211,7 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUn
     return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform, present)
 
 
-def _finite(logits: torch.Tensor, where: str) -> torch.Tensor:
+def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
     """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage."""
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
@@ -219,7 +219,7 @@ def _finite(logits: torch.Tensor, where: str) -> torch.Tensor:
     return logits
 
 
-def _check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, drafter: Drafter | None) -> int:
+def check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, drafter: Drafter | None) -> int:
     """One-line errors before any work: empty prompts, and a prompt + answer + draft tree beyond the base's
     context (the KV cache is sized to exactly that). Returns the cache length."""
     if not prompt_ids:
@@ -237,7 +237,7 @@ def _check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, d
 
 
 def _first_token(cfg: SamplerConfig, logits: torch.Tensor, uniform: RowUniform) -> torch.Tensor:
-    _finite(logits, "at the prompt's last position")
+    finite(logits, "at the prompt's last position")
     if cfg.temperature == 0:
         return logits.argmax(-1)
     return verify.sample(verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p), uniform())
@@ -260,7 +260,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     dev, b = base.device, len(prompt_ids)
     eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    max_len = _check_inputs(base, prompt_ids, cfg, drafter)
+    max_len = check_inputs(base, prompt_ids, cfg, drafter)
     lens = [len(p) for p in prompt_ids]
     longest = max(lens)
     ctx = SamplingContext(base, b, max_len, lean=cfg.lean)
@@ -320,7 +320,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         t1 = _now(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
-        logits = _finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
+        logits = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
         t2 = _now(dev)
         best, bonus = _accept(cfg, rnd, logits, uniform)  # [B], [B]
         # the accepted path, root first, padded by repeating its last node: [B, D + 1]

@@ -20,7 +20,7 @@ import torch
 from specdec.base import Base
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.decode import SamplerConfig, _check_inputs, _finite
+from specdec.sampling.decode import SamplerConfig, check_inputs, finite
 from specdec.sampling.kernels import measured_kernels
 
 Answer = tuple[int, list[int]]  # (index of the prompt, its generated tokens: the EOS included when the base ended)
@@ -56,7 +56,7 @@ def _stream(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, batch_s
             generators: Sequence[torch.Generator] | None, refill_at: int) -> Iterator[Answer]:
     # The cache holds the longest prompt of the queue + its answer in every row: the peak memory of fixed batches,
     # whose last batch holds the longest prompts. A step reads only the keys up to its longest live row.
-    max_len = _check_inputs(base, prompt_ids, cfg, None)
+    max_len = check_inputs(base, prompt_ids, cfg, None)
     rows = _Rows(base, cfg, generators, min(batch_size, len(prompt_ids)), max_len)
     queue = deque(range(len(prompt_ids)))
     while queue or rows.live():
@@ -111,7 +111,7 @@ class _Rows:
         ctx = self.ctx
         ctx.commit_layout(1)
         hidden, _ = ctx.base_forward(self.root[:, None])  # [B, 1, H]
-        logits = _finite(self.base.lm_head(hidden)[:, 0], "at a decode step")  # [B, V]
+        logits = finite(self.base.lm_head(hidden)[:, 0], "at a decode step")  # [B, V]
         live = self.live()
         tokens = self._pick(logits[live] if len(live) < len(self.held) else logits, live)  # [k]
         self.root[live] = tokens
@@ -165,7 +165,7 @@ def _prefill(base: Base, cfg: SamplerConfig, ids: list[list[int]],
     n = torch.tensor(lens, device=dev)
     last = hidden[torch.arange(len(ids), device=dev), n - 1]  # [k, H]
     ctx.commit(n, lens)
-    return ctx, _finite(base.lm_head(last), "at the prompt's last position")
+    return ctx, finite(base.lm_head(last), "at the prompt's last position")
 
 
 def _move_in(ctx: SamplingContext, new: SamplingContext, rows: list[int]) -> None:
