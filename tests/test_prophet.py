@@ -41,11 +41,15 @@ def test_targets_and_names(base):
     assert d.forward_train(feats, ids).logits.shape == (2, T, 3, base.vocab_size)
 
 
-def test_fresh_predictor_is_the_base_head(base):
+@pytest.mark.parametrize("fuse_layers", [None, [1]])
+def test_fresh_predictor_is_the_base_head(base, fuse_layers):
     """Identity init: ĥ = h at every step, so a fresh predictor starts from the base's own head on h_t (up to
-    the RMSNorm eps, which is not negligible against the random tiny base's small residual stream)."""
-    ids, feats = data(base)
-    logits = Prophet(base, num_layers=2, unroll_steps=3).forward_train(feats, ids).logits  # [B, T, 3, V]
+    the RMSNorm eps, which is not negligible against the random tiny base's small residual stream); a fused one
+    too (its inner layers' columns start at zero)."""
+    ids = data(base)[0]
+    d = Prophet(base, num_layers=2, unroll_steps=3, fuse_layers=fuse_layers)
+    feats = base.features(ids, layers=d.feature_layers)
+    logits = d.forward_train(feats, ids).logits  # [B, T, 3, V]
     torch.testing.assert_close(logits, feats.logits[:, :, None].expand_as(logits), atol=2e-3, rtol=2e-3)
     assert torch.equal(logits.argmax(-1), feats.logits.argmax(-1)[:, :, None].expand(-1, -1, 3))
 
@@ -96,6 +100,29 @@ def test_unroll_equals_a_causal_forward_per_chain(base):
             torch.testing.assert_close(logit, logits[:, t, step])
             if step + 1 < steps:
                 seq = torch.cat([seq, d.step_input(hat, emb[:, t + step + 2])[:, None]], 1)
+
+
+def test_fusion_reads_the_inner_layer_of_real_entries_only(base):
+    """With fuse_layers the real entries carry fuse([norm(h^l); h]): changing the inner layer's state at s moves
+    the chains rooted at t ≥ s (every step), like the last layer's does, and the regression target stays the last
+    layer (the inner state does not enter the feature loss)."""
+    d = randomized(Prophet(base, num_layers=1, unroll_steps=2, fuse_layers=[1], feature_weight=0.5))
+    assert d.feature_layers == (1, LAST) and d.hparams["fuse_layers"] == [1]
+    ids = data(base)[0]
+    feats = base.features(ids, layers=d.feature_layers)
+    ref = d.forward_train(feats, ids)
+    s = 3
+    inner = feats.hidden[1].clone()
+    inner[:, s] += 0.5
+    out = d.forward_train(Features({1: inner, LAST: feats.hidden[LAST]}, feats.logits), ids)
+    moved = (out.logits - ref.logits).abs().amax(dim=(0, 3)) > 1e-9  # [T, steps]
+    assert torch.equal(moved, (s <= torch.arange(T))[:, None].expand(-1, 2))
+    _, hats = d.unroll(d.real_feature({1: inner, LAST: feats.hidden[LAST]}), ids, 2)
+    h = feats.hidden[LAST]
+    by_hand = torch.stack([torch.nn.functional.smooth_l1_loss(hats[:, : T - 1 - j, j], h[:, 1 + j :]) for j in (0, 1)])
+    torch.testing.assert_close(out.aux_metrics["feature_loss"], by_hand.mean())
+    with pytest.raises(ValueError, match="fuse_layers"):
+        Prophet(base, fuse_layers=[base.num_layers])
 
 
 def test_feature_regression(base):
@@ -188,7 +215,7 @@ def self_distilled(base, drafter: Prophet, steps: int = 60) -> Prophet:
     """A few Adam steps on the base's own greedy continuations, so drafts get accepted (partial, ragged)."""
     ref = generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=40, eos_token_id=[]))
     ids = torch.tensor([p[-2:] + t for p, t in zip(PROMPTS, ref.tokens.tolist())])  # [3, 42]
-    feats = base.features(ids)
+    feats = base.features(ids, layers=drafter.feature_layers)
     target = feats.logits.argmax(-1)  # [3, 42] the base's greedy next token
     opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
     for _ in range(steps):
@@ -203,10 +230,10 @@ def self_distilled(base, drafter: Prophet, steps: int = 60) -> Prophet:
     return drafter.requires_grad_(False)
 
 
-@pytest.fixture(scope="module")
-def trained(base):
+@pytest.fixture(scope="module", params=[None, [1]], ids=["last", "fused"])
+def trained(base, request):
     torch.manual_seed(0)
-    return self_distilled(base, Prophet(base, num_layers=1, unroll_steps=4))
+    return self_distilled(base, Prophet(base, num_layers=1, unroll_steps=4, fuse_layers=request.param))
 
 
 @pytest.mark.parametrize(
@@ -254,7 +281,7 @@ def test_generate_drafts_exactly_the_training_logits(base, trained):
     assert len(calls) > 20
     for committed, path, logits in calls:
         ids = torch.tensor([committed + path])
-        expected, _ = rec.unroll(base.features(ids).hidden[LAST], ids, len(path))
+        expected, _ = rec.unroll(rec.real_feature(base.features(ids, layers=rec.feature_layers).hidden), ids, len(path))
         torch.testing.assert_close(logits, expected[0, len(committed) - 1, len(path) - 1])
 
 

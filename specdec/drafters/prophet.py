@@ -9,7 +9,11 @@ Entries and positions (training and sampling agree on both):
 - chain step j ≥ 1 rooted at t: fc([ĥ_{t+j} ; emb(x_{t+j+1})]) at position t+j, attending to the real
   entries of positions ≤ t (and the sink) and to its own chain's earlier steps, never to later real entries.
 Sampling lays the entry for (h_{s-1}, x_s) in slot s, so the root node's slot (the base's newest token) holds
-the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen."""
+the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen.
+
+With `fuse_layers` (EAGLE-3's feature fusion), the real h_t is not the last layer alone but a learnt mix of it and
+the hidden states of earlier base layers: f_t = fuse([norm(h^{l_1}_t); …; h_t]), which starts as h_t exactly. The
+chain steps still read the predictor's own ĥ, so fusion changes only what the real entries carry."""
 
 from __future__ import annotations
 
@@ -39,12 +43,21 @@ class Prophet(Drafter):
         feature_weight: float = 0.1,
         own_lm_head: bool = False,
         draft_vocab_size: int | None = None,
+        fuse_layers: list[int] | None = None,
     ):
+        fuse_layers = sorted(int(l) for l in fuse_layers or ())
         super().__init__(
             base, num_layers=num_layers, unroll_steps=unroll_steps, feature_weight=feature_weight,
-            own_lm_head=own_lm_head, draft_vocab_size=draft_vocab_size,
+            own_lm_head=own_lm_head, draft_vocab_size=draft_vocab_size, fuse_layers=fuse_layers,
         )
         h = base.hidden_size
+        if any(not 0 < l < base.num_layers for l in fuse_layers):
+            raise ValueError(f"fuse_layers must be inner base layers in (0, {base.num_layers}), got {fuse_layers}")
+        self.feature_layers = (*fuse_layers, LAST)
+        # Inner hidden states are un-normed residual streams whose scale grows with depth: each gets its own RMSNorm
+        # so the fusion starts from comparable inputs.
+        self.fuse_norms = nn.ModuleList(type(base.norm)(h, eps=base.config.rms_norm_eps) for _ in fuse_layers)
+        self.fuse = nn.Linear((len(fuse_layers) + 1) * h, h, bias=False) if fuse_layers else None
         # Token embeddings are ~15x smaller than the normed features (SmolLM2: RMS 0.14 vs 2.2): normalise them
         # first, or the token half of fc learns far slower than the feature half.
         self.emb_norm = type(base.norm)(h, eps=base.config.rms_norm_eps)
@@ -78,8 +91,19 @@ class Prophet(Drafter):
         for block in self.blocks:
             nn.init.zeros_(block.self_attn.o_proj.weight)
             nn.init.zeros_(block.mlp.down_proj.weight)
+        if self.fuse is not None:  # f = h_last: the inner layers' columns start at zero
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, -h:].copy_(torch.eye(h))
 
     # -- pieces shared by training and sampling ----------------------------------------------------------------
+    def real_feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The base's hidden states {layer: [..., H]} -> the feature a real entry carries [..., H]: the last layer's,
+        or with fuse_layers its fusion with the inner ones."""
+        if self.fuse is None:
+            return hidden[LAST]
+        inner = [norm(hidden[l]) for norm, l in zip(self.fuse_norms, self.feature_layers)]
+        return self.fuse(torch.cat([*inner, hidden[LAST]], dim=-1))
+
     def step_input(self, feature: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         """[..., H] feature of position t (real or predicted) and [..., H] embedding of x_{t+1} -> [..., H]."""
         return self.fc(torch.cat([feature, self.emb_norm(token_emb)], dim=-1))
@@ -106,11 +130,11 @@ class Prophet(Drafter):
 
     # -- training ----------------------------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
-        h = feats.hidden[LAST]  # [B, T, H]
-        logits, hats = self.unroll(h, input_ids, self.unroll_steps)
+        logits, hats = self.unroll(self.real_feature(feats.hidden), input_ids, self.unroll_steps)
         if not self.feature_weight:
             return TrainOutput(logits=logits)
-        # Step j's ĥ at t is the base's real h_{t+j+1}, which exists for t < T-j-1.
+        # Step j's ĥ at t is the base's real h_{t+j+1} (last layer), which exists for t < T-j-1.
+        h = feats.hidden[LAST]  # [B, T, H]
         t = h.shape[1]
         per_step = torch.stack(
             [F.smooth_l1_loss(_wide(hats[:, : t - j - 1, j]), _wide(h[:, j + 1 :])) for j in range(hats.shape[2])
@@ -125,7 +149,7 @@ class Prophet(Drafter):
 
     def unroll(self, h: torch.Tensor, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `steps` steps of every chain, each step on the previous step's OWN predicted feature.
-        h [B, T, H] real features, input_ids [B, T] -> logits [B, T, steps, V] (step j at t predicts x_{t+j+2})
+        h [B, T, H] real features (`real_feature`), input_ids [B, T] -> logits [B, T, steps, V] (step j at t predicts x_{t+j+2})
         and predicted features ĥ [B, T, steps, H] (step j at t predicts h_{t+j+1})."""
         b, t, hs = h.shape
         dev = h.device
@@ -167,7 +191,7 @@ class Prophet(Drafter):
         return {"h": h, "hats": NodeTable()}
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
-        h = feats.hidden[LAST]  # [B, n, H]
+        h = self.real_feature(feats.hidden)  # [B, n, H]
         # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h.
         prev = torch.cat([state["h"][:, None], h[:, :-1]], dim=1)  # [B, n, H]
         ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(tokens)), STORE, POSITION_OFFSET)
