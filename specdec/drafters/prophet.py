@@ -53,6 +53,7 @@ class Prophet(Drafter):
         h = base.hidden_size
         if any(not 0 < l < base.num_layers for l in fuse_layers):
             raise ValueError(f"fuse_layers must be inner base layers in (0, {base.num_layers}), got {fuse_layers}")
+        self.fuse_layers = fuse_layers
         self.feature_layers = (*fuse_layers, LAST)
         # Inner hidden states are un-normed residual streams whose scale grows with depth: each gets its own RMSNorm
         # so the fusion starts from comparable inputs.
@@ -101,7 +102,7 @@ class Prophet(Drafter):
         or with fuse_layers its fusion with the inner ones."""
         if self.fuse is None:
             return hidden[LAST]
-        inner = [norm(hidden[l]) for norm, l in zip(self.fuse_norms, self.feature_layers)]
+        inner = [norm(hidden[l]) for norm, l in zip(self.fuse_norms, self.fuse_layers)]
         return self.fuse(torch.cat([*inner, hidden[LAST]], dim=-1))
 
     def step_input(self, feature: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
