@@ -44,6 +44,12 @@ class DraftContext(Protocol):
         `position_offset` shifts the rotary positions (a drafter whose entry for token t+1 sits at t uses -1)."""
         ...
 
+    def commit_layout(self, n: int) -> None:
+        """In `observe`: lay the call out over n positions after each row's committed prefix, causal (the sampler
+        lays out the newly committed ones before calling `observe`). A drafter that also writes the entry of the
+        next round's root, in the same pass, asks for one more: slot L_b + n_new_b is then index n_new_b of row b."""
+        ...
+
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
         """Run a whole HF decoder stack (e.g. a `LlamaModel`: its own embeddings, rotary and final norm, so any
         architecture works) over input_ids [B, m] on the drafter-private `store`, and return its last hidden state

@@ -9,7 +9,8 @@ Entries and positions (training and sampling agree on both):
 - chain step j ≥ 1 rooted at t: fc([ĥ_{t+j} ; emb(x_{t+j+1})]) at position t+j, attending to the real
   entries of positions ≤ t (and the sink) and to its own chain's earlier steps, never to later real entries.
 Sampling lays the entry for (h_{s-1}, x_s) in slot s, so the root node's slot (the base's newest token) holds
-the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen.
+the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen;
+`observe` writes the root entry too, in the same pass as the newly committed ones.
 
 With `fuse_layers` (EAGLE-3's feature fusion), the real h_t is not the last layer alone but a learnt mix of it and
 the hidden states of earlier base layers: f_t = fuse([norm(h^{l_1}_t); …; h_t]), which starts as h_t exactly. The
@@ -188,27 +189,37 @@ class Prophet(Drafter):
     # -- sampling ----------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
         h = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
-        # h: newest committed real feature per row (zero before the prompt); hats: the round's predicted ĥ per node
-        return {"h": h, "hats": NodeTable()}
+        # h: newest committed real feature per row (zero before the prompt); root: the root entry's block output
+        # (set by observe); hats: the round's predicted ĥ per node
+        return {"h": h, "root": None, "hats": NodeTable()}
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
         h = self.real_feature(feats.hidden)  # [B, n, H]
-        # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h.
-        prev = torch.cat([state["h"][:, None], h[:, :-1]], dim=1)  # [B, n, H]
-        ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(tokens)), STORE, POSITION_OFFSET)
-        state["h"] = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H]
+        b, n, _ = h.shape
+        rows = torch.arange(b, device=h.device)
+        # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h. One
+        # entry more, at index n_new of each row, is the next round's root entry (h_t, x_{t+1}) with x_{t+1} =
+        # next_token: computed in this pass over the blocks rather than in a depth-0 `expand` of its own, which
+        # would read every block weight a second time for one token.
+        prev = torch.cat([state["h"][:, None], h], dim=1)  # [B, n+1, H]
+        toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
+        toks[rows, n_new] = next_token
+        ctx.commit_layout(n + 1)  # the root's slot L_b + n_new_b is index n_new_b of row b
+        out = ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE, POSITION_OFFSET)
+        state["h"] = h[rows, n_new - 1]  # [B, H]
+        state["root"] = out[rows, n_new][:, None]  # [B, 1, H] the root entry's block output; read out by expand
         state["hats"] = NodeTable()  # a new round
 
     def expand(
         self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
         nodes: torch.Tensor,
     ) -> torch.Tensor:
-        emb = self.base.embed_tokens(tokens)  # [B, N, H]
         if depth == 0:
-            feature = state["h"][:, None]  # [B, 1, H]: the root entry (h_t, x_{t+1}), written in the root's slot
+            out = state["root"]  # [B, 1, H]: the root entry, run (and its slot written) by `observe`
         else:
-            feature = state["hats"].get(parents)  # [B, N, H] the parents' predicted features
-        out = ctx.run_layers(self.blocks, self.step_input(feature, emb), STORE, POSITION_OFFSET)
+            # the parents' predicted features with the nodes' tokens
+            x = self.step_input(state["hats"].get(parents), self.base.embed_tokens(tokens))  # [B, N, H]
+            out = ctx.run_layers(self.blocks, x, STORE, POSITION_OFFSET)
         hat, logits = self.readout(out)  # [B, N, H], [B, N, V]
         state["hats"].put(hat, nodes)
         return self.full_vocab(logits)  # [B, N, V]
