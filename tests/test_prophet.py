@@ -171,7 +171,7 @@ def test_state_dict_holds_no_base_weights(base):
 def test_sampling_matches_training_on_a_tree(base):
     """observe + expand through the sampler's DraftContext, on a tree numbered like the sampler numbers it
     (an unexpanded leaf between expanded nodes, frontier indices passed as `nodes`), gives for each node the
-    training unroll logits of the sequence through that node."""
+    training unroll logits of the sequence through that node; the root's entry comes from observe's own pass."""
     d = randomized(Prophet(base, num_layers=2, unroll_steps=3))
     ids, feats = data(base, batch=2)
     p = 4  # committed prompt length; root = x_4, chain positions t = 3
@@ -195,7 +195,13 @@ def test_sampling_matches_training_on_a_tree(base):
         ctx.tree_layout(f, torch.full_like(f, depth), anc[f])
         return d.expand(state, ctx, tokens[:, f], torch.tensor([parents[i] for i in frontier]), depth, nodes=f)
 
-    got0, got1, got2 = expand([0], 0), expand([1, 2], 1), expand([4], 2)
+    runs = []
+    run_layers = ctx.run_layers
+    ctx.run_layers = lambda *a, **k: runs.append(1) or run_layers(*a, **k)
+    got0 = expand([0], 0)
+    assert not runs  # the root entry ran in observe's pass: depth 0 only reads it out
+    got1, got2 = expand([1, 2], 1), expand([4], 2)
+    assert len(runs) == 2
     main = d.forward_train(feats, ids).logits  # [B, T, 3, V]
     alt = ids.clone()
     alt[:, p + 1] = other
