@@ -89,10 +89,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         for m in todo:
             m.run([first] * m.batch)
 
-    # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8).
+    # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8). With an
+    # adaptive draft length a round verifies γ_s + 1 ≤ γ + 1 tokens, so every block size up to γ + 1 is measured.
     gammas = sorted({m.chain_gamma for m in methods if m.chain_gamma})
+    sizes = {n for g in gammas for n in (range(2, g + 2) if sampler.adaptive else [g + 1])}
     prompt_len = len(render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}]))
-    costs = forward_costs(base, [1] + [g + 1 for g in gammas], prompt_len=prompt_len,
+    costs = forward_costs(base, [1, *sorted(sizes)], prompt_len=prompt_len,
                           cpu_kernels=sampler.cpu_kernels, lean=sampler.lean) if gammas else {}
 
     for m in todo:
@@ -253,7 +255,11 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             g = m.chain_gamma
             t1 = costs[1]  # one base forward over one token, measured in this run
             c = sum(r.t_draft_s for r in flat) / max(sum(drafted), 1) / t1  # draft cost per drafted token, in T_1
-            v = costs[g + 1] / t1  # verify of γ+1 tokens, in T_1
+            # A round that drafted γ_s tokens verifies γ_s + 1 (γ_s = γ unless the draft length is adaptive): the
+            # model charges each round its own block's measured cost, v = mean over rounds of T_{γ_s+1}/T_1, and the
+            # mean draft length ḡ for the drafting (both exactly v(γ+1) and γ for a fixed chain).
+            v = sum(costs.get(d + 1, costs[g + 1]) for d in drafted) / len(drafted) / t1
+            g_mean = sum(drafted) / len(drafted)
             a_tok = token_acceptance(accepted, drafted)  # the model's α (per decided token), not α̂ = Σa/Σγ
             tau_pred = chain_tau(a_tok, g)
             # The time split the model leaves out (SPEC.md §8), in T_1: what a round costs beyond v + γc (acceptance,
@@ -261,16 +267,16 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             # The speedup after the first token (prefill excluded, pooled) = τ · ar_step / (v + γc + overhead).
             ar_flat = [r for p in ar_runs for r in p]
             ar_step = _per_round(ar_flat) / t1
-            overhead = _per_round(flat) / t1 - v - g * c
+            overhead = _per_round(flat) / t1 - v - g_mean * c
             row["leviathan"] = {
                 "gamma": g, "alpha_token": a_tok, "c": c, "verify_cost": v, "measured_tau": row["tau"],
                 "overhead": overhead, "ar_step": ar_step,
-                "predicted_tau": tau_pred,
-                "predicted_speedup": predicted_speedup(tau_pred, g, c, v),
+                "predicted_tau": tau_pred,  # a fixed chain of γ (an adaptive one drafts less: read the next column)
+                "predicted_speedup": predicted_speedup(tau_pred, g_mean, c, v),
                 # the cost side alone: the measured τ through the same model (α is rarely i.i.d. over positions)
-                "predicted_speedup_measured_tau": predicted_speedup(row["tau"], g, c, v),
-                "predicted_speedup_unit_verify": tau_pred / (g * c + 1),  # the paper's model: verify = 1 step
-                "break_even_tau": v + g * c,
+                "predicted_speedup_measured_tau": predicted_speedup(row["tau"], g_mean, c, v),
+                "predicted_speedup_unit_verify": tau_pred / (g_mean * c + 1),  # the paper's model: verify = 1 step
+                "break_even_tau": v + g_mean * c,
                 "measured_speedup": row["speedup_vs_ar"],
             }
         rows.append(row)
@@ -307,7 +313,8 @@ def render_markdown(report: dict, config_yaml: str) -> str:
         lines += ["", "Leviathan check (chain drafters): τ = (1 − α^{γ+1})/(1 − α) with α per token = accepted / "
                   "tokens the verifier decided on (each round's accepted ones and its first rejected one); "
                   "speedup = τ/(v(γ+1) + γc), with the verify cost v(γ+1) = T_{γ+1}/T_1 and c = draft time per "
-                  "depth / T_1 measured in this run (τ/(γc + 1) assumes v = 1). The time split the model leaves "
+                  "depth / T_1 measured in this run (τ/(γc + 1) assumes v = 1; with an adaptive draft length, γ in the costs "
+                  "is the mean draft length and v the mean of each round's own v(γ_s+1)). The time split the model leaves "
                   "out, in T_1: o = a round's time beyond v + γc (acceptance, rollback, bookkeeping, the in-loop "
                   "forward against the bare one), a = our AR loop's time per token; so the speedup after the first "
                   "token (prefill excluded, pooled over prompts) is τ·a/(v + γc + o)", "",

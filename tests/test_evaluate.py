@@ -114,3 +114,27 @@ def test_a_killed_evaluation_resumes_after_its_finished_methods(tmp_path, questi
     assert report["header"]["resumed"] == ["ar (ours)", "medusa"]
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["medusa"]["greedy_identical"] and rows["hf_generate"]["greedy_identical"]
+
+
+def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, questions, monkeypatch):
+    """With an adaptive draft length a round verifies γ_s + 1 tokens: the check measures every block size up to γ + 1
+    and charges the mean of the rounds' own costs, with the mean draft length (not v(γ+1) and γ for every round)."""
+    asked = []
+
+    def linear_costs(base, ns, **kwargs):  # T_n = n seconds: then the mean v over rounds is the mean γ_s + 1
+        asked.extend(ns)
+        return {n: float(n) for n in ns}
+
+    monkeypatch.setattr("specdec.evaluation.forward_costs", linear_costs)
+    tiny = tiny_base()
+    save_drafter(Medusa(tiny, num_heads=3), tmp_path / "medusa")
+    cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
+                          "sampler.gamma=3", "sampler.eos_token_id=[]", "sampler.adaptive_threshold=0.5", "peers=[]"])
+    report = evaluate(cfg)
+    row = {r["method"]: r for r in report["rows"]}["medusa"]
+    lev = row["leviathan"]
+    assert asked == [1, 2, 3, 4]
+    assert row["draft_len"] < 3  # the untrained heads are unconfident: chains end early
+    assert lev["verify_cost"] == pytest.approx(row["draft_len"] + 1)
+    assert lev["break_even_tau"] == pytest.approx(lev["verify_cost"] + row["draft_len"] * lev["c"])
+    assert lev["predicted_speedup_measured_tau"] == pytest.approx(row["tau"] / lev["break_even_tau"])

@@ -54,8 +54,9 @@ def chain_tau(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0
 
 
-def predicted_speedup(tau: float, gamma: int, c: float, v: float) -> float:
-    """Chain of γ: τ emitted per round that costs v(γ+1) + γ·c AR steps (c = draft cost per depth / T_1)."""
+def predicted_speedup(tau: float, gamma: float, c: float, v: float) -> float:
+    """Chain of γ: τ emitted per round that costs v(γ+1) + γ·c AR steps (c = draft cost per depth / T_1); with an
+    adaptive draft length, γ is the mean draft length and v the mean verify cost of the rounds."""
     return tau / (v + gamma * c)
 
 
