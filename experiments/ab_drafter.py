@@ -15,7 +15,6 @@ import inspect
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,14 +25,9 @@ sys.path.insert(0, str(ROOT))
 from specdec.base import load_base  # noqa: E402
 from specdec.checkpoint import load_drafter  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.sampling.cost import wall_clock  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 from specdec.sampling.kernels import cpu_model  # noqa: E402
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def class_at(cls: type, rev: str) -> type:
@@ -75,10 +69,10 @@ def main() -> None:
             if name != "ar":
                 drafter.__class__ = variants[name]  # the same weights through the other revision's code
             for prompt in prompts:
-                t = _now(base.device)
+                t = wall_clock(base.device)
                 r = generate(base, [prompt], None if name == "ar" else drafter, cfg)
                 tot = totals[name]
-                tot["s"] += _now(base.device) - t
+                tot["s"] += wall_clock(base.device) - t
                 tot["tokens"] += r.num_generated[0]
                 tot["rounds"] += len(r.step_verify_s)
                 tot["draft_s"] += sum(r.step_draft_s)

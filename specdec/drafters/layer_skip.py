@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ import torch
 from specdec.base import Base, Features
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.cost import forward_costs
+from specdec.sampling.cost import forward_costs, wall_clock
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import measured_kernels
 from specdec.sampling.trees import chain_paths, draft_static
@@ -215,10 +214,10 @@ class LayerSkip(Drafter):
             for rep in range(self.search.cost_reps + 1):  # the first pass warms up and is not kept
                 for k in range(n + 1):
                     self.set_skip(range(k, n))  # k executed layers; which ones does not change the cost
-                    t0 = _now(dev)
+                    t0 = wall_clock(dev)
                     draft_static(self, self.init_state(1, ctx.max_len), ctx, ids[:, -1], chain_paths(g))
                     if rep:
-                        times[k].append(_now(dev) - t0)
+                        times[k].append(wall_clock(dev) - t0)
         self.set_skip(kept)
         return {k: statistics.median(ts) / g / t1 for k, ts in times.items()}
 
@@ -244,7 +243,3 @@ def _prompts(blocks: Iterable[torch.Tensor], count: int, length: int) -> list[li
     return out
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -36,11 +36,11 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
             for n in ns:
                 tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
                 ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
-                t0 = _now(dev)
+                t0 = wall_clock(dev)
                 hidden, _ = ctx.base_forward(tokens)
                 base.lm_head(hidden)
                 if rep:
-                    times[n].append(_now(dev) - t0)
+                    times[n].append(wall_clock(dev) - t0)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -60,7 +60,8 @@ def predicted_speedup(tau: float, gamma: float, c: float, v: float) -> float:
     return tau / (v + gamma * c)
 
 
-def _now(device: torch.device) -> float:
+def wall_clock(device: torch.device) -> float:
+    """Seconds on a monotonic clock once the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

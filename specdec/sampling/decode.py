@@ -3,7 +3,6 @@ Plain autoregressive decoding is the same loop with no drafter (a round of one n
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
+from specdec.sampling.cost import wall_clock
 from specdec.sampling.kernels import measured_kernels
 from specdec.sampling.lookup import lookup_round, ngram_proposal
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
@@ -123,12 +123,6 @@ class RowUniform:
         if isinstance(self.generator, list):
             return torch.cat([torch.rand(1, generator=g, device=self.device) for g in self.generator])
         return torch.rand(self.batch, generator=self.generator, device=self.device)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class DraftLength:
@@ -268,7 +262,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
 
     # -- prefill --------------------------------------------------------------------------------
-    t_start = _now(dev)
+    t_start = wall_clock(dev)
     ids = torch.tensor([p + [0] * (longest - len(p)) for p in prompt_ids], device=dev)  # [B, P] right-padded
     n_prompt = torch.tensor(lens, device=dev)
     ctx.commit_layout(ids.shape[1])
@@ -298,12 +292,12 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         emit(row, [t])
     rows = list(range(b))  # batch position -> prompt row (plain decoding drops finished rows from the batch)
     length = DraftLength(cfg) if drafter is not None and cfg.adaptive else None
-    t_first = _now(dev)
+    t_first = wall_clock(dev)
     result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
 
     # -- rounds ---------------------------------------------------------------------------------
     while not all(done):
-        t0 = _now(dev)
+        t0 = wall_clock(dev)
         rnd = _lookup(cfg, prompt_ids, out, rows, done, root)
         looked_up = rnd is not None
         if looked_up:
@@ -317,11 +311,11 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             if length is not None:
                 length.active = torch.tensor([not done[row] for row in rows], device=dev)
             rnd = _draft(drafter, state, ctx, root, cfg, uniform, length)
-        t1 = _now(dev)
+        t1 = wall_clock(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
         logits = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
-        t2 = _now(dev)
+        t2 = wall_clock(dev)
         best, bonus = _accept(cfg, rnd, logits, uniform)  # [B], [B]
         # the accepted path, root first, padded by repeating its last node: [B, D + 1]
         on_path = rnd.ancestors.to(dev)[best]  # [B, N]
@@ -343,7 +337,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             length.update(sum(a for a, act in zip(n_acc_host, active) if act),
                           sum(g for g, act in zip(proposed, active) if act))
         n_new_host = [0 if done[row] else k + 1 for k, row in zip(n_acc_host, rows)]  # finished rows stay put
-        t3 = _now(dev)
+        t3 = wall_clock(dev)
         if drafter is not None:
             n = max(n_acc_host) + 1
             if int(rnd.depth.max()) > 0 and not bool((rnd.parents[1:] == torch.arange(rnd.size - 1)).all()):
@@ -364,12 +358,12 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             root = root[torch.tensor(keep, device=dev)]
             ctx.keep_rows(keep)
             uniform.keep_rows(keep)
-        t4 = _now(dev)
+        t4 = wall_clock(dev)
         result.step_draft_s.append((t1 - t0) + (t4 - t3))
         result.step_verify_s.append(t2 - t1)
         result.step_overhead_s.append(t3 - t2)
 
-    result.total_s = _now(dev) - t_start
+    result.total_s = wall_clock(dev) - t_start
     result.tokens = torch.tensor([o + [-1] * (cfg.max_new_tokens - len(o)) for o in out])
     result.num_generated = [len(o) for o in out]
     return result
