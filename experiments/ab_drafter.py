@@ -1,8 +1,10 @@
-"""A/B a drafter family's code against another git revision of it, in one process: the same trained drafter (same
-weights) runs through its class as it is now (A) and as it was at REV (B), interleaved with our AR loop on the same
-HumanEval prompts, so a change meant to make drafting cheaper is measured as a ratio on one machine state.
+"""A/B a drafter family's code against another git revision of it, or a sampler setting against the default, in one
+process: the same trained drafter (same weights) runs through its class as it is now (A) and as it was at REV, or with
+the sampler setting KEY=VALUE (B), interleaved with our AR loop on the same HumanEval prompts, so a change meant to make
+drafting cheaper is measured as a ratio on one machine state.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_drafter.py logs/recipe/prophet_fused/drafter --rev HEAD~1 --gamma 1
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_drafter.py logs/recipe/prophet_fused/drafter --set draft_precision=fp32
 
 Prints, per variant: tok/s (and × our AR), τ, drafting and verify time per round, and whether every output equals
 our AR loop's (greedy: whatever either revision drafts, a lossless round emits the base's own tokens)."""
@@ -15,9 +17,11 @@ import inspect
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,7 +52,9 @@ def class_at(cls: type, rev: str) -> type:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("drafter", help="a trained drafter's directory")
-    ap.add_argument("--rev", default="HEAD~1", help="the git revision of the drafter's module to compare against")
+    ap.add_argument("--rev", help="a git revision of the drafter's module to compare against")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a SamplerConfig setting to compare against the default (repeatable: one variant each)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -57,20 +63,28 @@ def main() -> None:
 
     base = load_base()
     drafter = load_drafter(args.drafter, base)
-    variants = {"now": type(drafter), args.rev: class_at(type(drafter), args.rev)}
+    if not args.rev and not args.set:
+        ap.error("give --rev and/or --set: what to compare the code as it is now against")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts)]
     cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
-    generate(base, prompts[:1], drafter, cfg)  # warm-up: kernel table, lean layers, native build
+    variants = {"now": (type(drafter), cfg)}  # name -> (the drafter's class, the sampler settings)
+    if args.rev:
+        variants[f"@ {args.rev}"] = (class_at(type(drafter), args.rev), cfg)
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        variants[setting] = (type(drafter), replace(cfg, **{key: yaml.safe_load(value)}))
+    for _, vcfg in variants.values():
+        generate(base, prompts[:1], drafter, vcfg)  # warm-up: kernel table, lean layers, native build
     totals = {name: {"tokens": 0, "rounds": 0, "s": 0.0, "draft_s": 0.0, "verify_s": 0.0} for name in ["ar", *variants]}
     outputs: dict[str, list[list[int]]] = {name: [] for name in totals}
     for _ in range(args.passes):
         for name in totals:
-            if name != "ar":
-                drafter.__class__ = variants[name]  # the same weights through the other revision's code
+            cls, vcfg = variants.get(name, (type(drafter), cfg))
+            drafter.__class__ = cls  # the same weights through that revision's code
             for prompt in prompts:
                 t = wall_clock(base.device)
-                r = generate(base, [prompt], None if name == "ar" else drafter, cfg)
+                r = generate(base, [prompt], None if name == "ar" else drafter, vcfg)
                 tot = totals[name]
                 tot["s"] += wall_clock(base.device) - t
                 tot["tokens"] += r.num_generated[0]
@@ -85,7 +99,7 @@ def main() -> None:
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["s"]
     for name, tot in totals.items():
         rate = tot["tokens"] / tot["s"]
-        print(f"| {name if name == 'ar' else f'{type(drafter).__name__} @ {name}'} | {rate:.1f} | {rate / ar_rate:.3f} | "
+        print(f"| {name if name == 'ar' else f'{type(drafter).__name__} {name}'} | {rate:.1f} | {rate / ar_rate:.3f} | "
               f"{tot['tokens'] / tot['rounds']:.2f} | {tot['draft_s'] / tot['rounds'] * 1e3:.2f} | "
               f"{tot['verify_s'] / tot['rounds'] * 1e3:.2f} | {'yes' if outputs[name] == outputs['ar'] else 'NO'} |")
 

@@ -1,4 +1,5 @@
-"""Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, per family.
+"""Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, with the drafter's
+weights exact (fp32) and as bfloat16 copies (the sampler's default draft_precision), per family.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48]
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,11 +41,14 @@ def main() -> None:
                          "prophet": lambda v: Prophet(base, draft_vocab_size=v)}.items():
         for vocab in (None, 8192):
             drafter = make(vocab).eval()
-            generate(base, [prompt], drafter, cfg)  # warm-up (and kernel measurement for new shapes)
-            r = generate(base, [prompt], drafter, cfg)
-            c = sum(r.step_draft_s) / len(r.step_draft_s) / args.gamma / t1
-            rows[f"{family}, vocab {vocab or base.vocab_size}"] = round(c, 4)
-            print(f"{family:8s} draft vocab {vocab or base.vocab_size:6d}: c = {c:.3f} (T_1 {t1 * 1e3:.1f} ms)", flush=True)
+            for precision in ("fp32", "bf16"):
+                pcfg = replace(cfg, draft_precision=precision)
+                generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
+                r = generate(base, [prompt], drafter, pcfg)
+                c = sum(r.step_draft_s) / len(r.step_draft_s) / args.gamma / t1
+                rows[f"{family}, vocab {vocab or base.vocab_size}, {precision}"] = round(c, 4)
+                print(f"{family:8s} draft vocab {vocab or base.vocab_size:6d} {precision}: c = {c:.3f} "
+                      f"(T_1 {t1 * 1e3:.1f} ms)", flush=True)
     report = {"cpu": machine_key(), "gamma": args.gamma, "t1_ms": round(t1 * 1e3, 2), "c_per_depth": rows,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_draft_cost.py "
                          f"--gamma {args.gamma} --new {args.new}"}

@@ -122,3 +122,29 @@ def test_one_kernel_for_the_whole_model_when_it_wins(tmp_path, monkeypatch):
     monkeypatch.undo()
     table.choice = {k: {r: "linear" for r in ROWS} for k in table.choice}
     assert "slow" not in table.arbitrate(ws[::-1]).values()  # another model (order): measured; never the slow one
+
+
+def test_bf16_weights_only_for_the_drafter(tiny):
+    """draft_precision=bf16: the drafter's own linears may take a BF16 candidate (chosen by measurement, under shape
+    keys of their own); the base's never do, nor a linear the drafter shares with the base; and decoding stays greedy
+    identical to plain decoding, since only what is drafted changes."""
+    from specdec.drafters.medusa import Medusa
+
+    drafter = Medusa(tiny, num_heads=2)  # its heads' blocks are its own; it projects with the base's lm_head
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    # every exact kernel slow, the BF16 one fast: wherever BF16 is offered, measurement picks it
+    table = KernelTable(None, candidates={"slow": Candidate(_slow)}, rows=(1,),
+                        bf16={"bf16": Candidate(lambda x, w: F.linear(x, w.float()), lambda w: w.bfloat16())})
+    with measured_kernels(tiny, drafter, table=table, bf16=[drafter]):
+        chosen = {k: set(c.values()) for k, c in table.choice.items()}
+        own = [m for m in drafter.modules() if type(m) is torch.nn.Linear]
+        assert own and all(chosen[f"{m.weight.shape[0]}x{m.weight.shape[1]}:float32~bf16"] == {"bf16"} for m in own)
+        assert all(kernels == {"slow"} for k, kernels in chosen.items() if not k.endswith("~bf16"))
+        lm_head = tiny.lm_head.weight.shape
+        assert f"{lm_head[0]}x{lm_head[1]}:float32~bf16" not in chosen  # shared with the base: exact
+    prompts = [[5, 9, 12, 40, 7], [3, 4]]
+    cfg = SamplerConfig(max_new_tokens=10, gamma=2, eos_token_id=[], draft_precision="bf16")
+    ar = generate(tiny, prompts, None, cfg).tokens
+    assert torch.equal(generate(tiny, prompts, drafter, cfg).tokens, ar)

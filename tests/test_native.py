@@ -82,3 +82,17 @@ def test_without_the_library_the_candidate_is_left_out(fresh, monkeypatch, tmp_p
     table.prepare([torch.randn(48, 16)])
     assert set(table.choice["48x16:float32"].values()) == {"linear"}
     assert set(table.timings["48x16:float32"][1]) == {"linear"}  # never timed
+
+
+@pytest.mark.skipif(not has_compiler, reason="no C compiler on this machine")
+def test_bf16_weights_are_the_product_of_the_rounded_weights():
+    """A bfloat16 W: x (float32) times W's own bf16 values, summed in float32 (the drafters' BF16 candidate)."""
+    assert native.available()
+    g = torch.Generator().manual_seed(1)
+    for i, o in [(64, 48), (37, 7), (576, 960)]:
+        w = torch.randn(o, i, generator=g).bfloat16()
+        for m in [1, 2, 5, 13]:
+            x = torch.randn(m, i, generator=g)
+            torch.testing.assert_close(native.small_gemm(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        native.small_gemm(x.bfloat16(), w)  # x stays float32

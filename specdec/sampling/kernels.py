@@ -14,7 +14,12 @@ not its time among the others a forward runs, a model's products are also timed 
 While decoding, each CPU nn.Linear of the base (and of the drafter) gets a forward that looks its row count up
 in that table: one Python call per linear, no interception of other ops. Candidates compute the same product
 in the same dtype; one that is missing or fails on this build is left out, and `linear` (PyTorch's default)
-is always there as the fallback."""
+is always there as the fallback.
+
+A drafter's linears may also be offered the BF16 candidates, which multiply with a bfloat16 copy of the weight (half
+the bytes to stream; x and the sums stay float32): a rounded drafter weight changes what is drafted, never what the
+base accepts, so verification stays lossless. They are measured beside the exact ones and used only where faster,
+under a shape key of their own; the base's products never see them."""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +105,15 @@ def _native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return native.small_gemm(x, w)
 
 
+def _linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # PyTorch's own bfloat16 product (x rounded too): fast where the CPU has bf16 instructions, else slow, so measured
+    return F.linear(x.to(w.dtype), w).float()
+
+
+def _to_bf16(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.bfloat16)
+
+
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     # oneDNN's blocked weight layout, made once: no per-call reorder (a second copy of the weight in memory)
     return torch.ops.mkldnn._reorder_linear_weight(w, 8)
@@ -114,6 +128,15 @@ CANDIDATES: dict[str, Candidate] = {
     "onednn_packed": Candidate(_onednn, _onednn_pack),
     "native": Candidate(_native),
 }
+# the weight rounded to bfloat16: for a drafter's linears only (see the module docstring)
+BF16: dict[str, Candidate] = {
+    "native_bf16": Candidate(_native, _to_bf16),
+    "linear_bf16": Candidate(_linear_bf16, _to_bf16),
+}
+BF16_KEY = "~bf16"  # shape-key suffix of a weight that may take the BF16 candidates
+# A candidate passes its check when within this fraction of the output's largest magnitude of the exact product (a
+# bf16 weight is off by up to 2^-9 of itself; the sum of 576-1536 such products stays well inside 2 %)
+TOLERANCE = {"exact": 1e-3, "bf16": 2e-2}
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
 
@@ -137,9 +160,10 @@ class KernelTable:
     """Fastest kernel per (weight shape, row bucket) on this machine, measured once and cached in `path`."""
 
     def __init__(self, path: Path | str | None = DEFAULT_CACHE, candidates: dict[str, Candidate] | None = None,
-                 rows: tuple[int, ...] = ROWS):
+                 rows: tuple[int, ...] = ROWS, bf16: dict[str, Candidate] | None = None):
         self.path = Path(path).expanduser() if path is not None else None
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
+        self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys ending in BF16_KEY
         self.rows = rows
         self.key = machine_key()
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
@@ -159,12 +183,17 @@ class KernelTable:
             self.uniform = {m: {int(r): k for r, k in c.items()} for m, c in stored.get("uniform", {}).items()}
 
     # -- measuring -------------------------------------------------------------------------------------
-    def prepare(self, weights: list[torch.Tensor]) -> None:
+    def _offered(self, shape: str) -> dict[str, Candidate]:
+        """The candidates a shape key may use: the exact ones, and the BF16 ones for a drafter's weights."""
+        return {**self.candidates, **self.bf16} if shape.endswith(BF16_KEY) else self.candidates
+
+    def prepare(self, weights: list[torch.Tensor], bf16: bool = False) -> None:
         """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
-        (once per process) the stored choice of the others, and measure again a shape that fails it."""
+        (once per process) the stored choice of the others, and measure again a shape that fails it. bf16: the
+        weights may also take the BF16 candidates (a drafter's, when the sampler allows it)."""
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
-            by_shape.setdefault(_shape_key(w), []).append(w)
+            by_shape.setdefault(_shape_key(w, bf16), []).append(w)
         t0 = time.perf_counter()
         stale = [s for s, ws in by_shape.items() if s in self.choice and s not in self._checked and self._stale(s, ws)]
         self._checked.update(by_shape)
@@ -175,7 +204,7 @@ class KernelTable:
             return
         t0 = time.perf_counter()
         for shape, ws in missing.items():
-            self.choice[shape], self.timings[shape] = self._measure(ws)
+            self.choice[shape], self.timings[shape] = self._measure(ws, self._offered(shape))
             self._by_rows.pop(shape, None)
         self.measure_s += time.perf_counter() - t0
         self._save()
@@ -186,40 +215,45 @@ class KernelTable:
     def _stale(self, shape: str, weights: list[torch.Tensor]) -> bool:
         """Whether the stored choice for `shape` loses clearly to another candidate in one fresh pass now (or names
         a kernel this process lacks)."""
+        offered = self._offered(shape)
         for rows in RECHECK_ROWS:
             stored = self.choice[shape].get(rows)
             if stored is None:
                 continue
-            if stored not in self.candidates:
+            if stored not in offered:
                 return True
-            fresh = self._time(weights, rows, passes=1)
+            fresh = self._time(weights, rows, 1, offered)
             if stored not in fresh or fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
                 return True
         return False
 
     @torch.no_grad()
-    def _measure(self, weights: list[torch.Tensor]) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    def _measure(self, weights: list[torch.Tensor],
+                 offered: dict[str, Candidate]) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
         choice, timings = {}, {}
         for rows in self.rows:
-            best = self._time(weights, rows, passes=3)
+            best = self._time(weights, rows, 3, offered)
             timings[rows] = best
             choice[rows] = min(best, key=best.get) if best else "linear"
         return choice, timings
 
     @torch.no_grad()
-    def _time(self, weights: list[torch.Tensor], rows: int, passes: int) -> dict[str, float]:
-        """Seconds per product of every usable candidate at `rows` rows: the best of `passes` interleaved passes.
+    def _time(self, weights: list[torch.Tensor], rows: int, passes: int,
+              offered: dict[str, Candidate]) -> dict[str, float]:
+        """Seconds per product of every usable candidate of `offered` at `rows` rows: the best of `passes`
+        interleaved passes.
         Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products then
         stream from memory as in a real step instead of hitting a cache-warm copy."""
         ws = weights[:32]
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
         reference = F.linear(x, ws[0])
         usable = {}
-        for name, cand in self.candidates.items():
+        for name, cand in offered.items():
+            tol = TOLERANCE["bf16" if name in self.bf16 else "exact"]
             try:  # a kernel missing from this build, or wrong, is left out
                 operands = [cand.pack(w) for w in ws] if cand.pack else ws
-                if not torch.allclose(cand.run(x, operands[0]), reference, rtol=1e-3,
-                                      atol=1e-3 * float(reference.abs().max())):
+                if not torch.allclose(cand.run(x, operands[0]), reference, rtol=tol,
+                                      atol=tol * float(reference.abs().max())):
                     continue
                 usable[name] = (cand.run, operands)
             except Exception:  # noqa: BLE001 — any failure means "not on this machine"
@@ -244,19 +278,20 @@ class KernelTable:
         os.replace(tmp, self.path)
 
     @torch.no_grad()
-    def arbitrate(self, weights: list[torch.Tensor]) -> dict[int, str]:
+    def arbitrate(self, weights: list[torch.Tensor], bf16: bool = False) -> dict[int, str]:
         """{rows: kernel} for the row counts at which one kernel for every weight beats the per-shape choices over a
         pass of `weights` (a model's, in the order a forward multiplies with them); measured once per machine and
-        model (cached with the table), after `prepare`."""
-        model = hashlib.sha1(" ".join(map(_shape_key, weights)).encode()).hexdigest()[:16]
+        model (cached with the table), after `prepare` (with the same `bf16`)."""
+        keys = [_shape_key(w, bf16) for w in weights]
+        model = hashlib.sha1(" ".join(keys).encode()).hexdigest()[:16]
         if model in self.uniform:
             return self.uniform[model]
         t0 = time.perf_counter()
         found = {}
         for rows in (r for r in WHOLE_ROWS if r in self.rows):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-            passes = {"": [(p, w) for w in weights for p in [self.plan(w)[rows]]]}
-            for name, cand in self.candidates.items():
+            passes = {"": [(p, w) for w in weights for p in [self.plan(w, bf16=bf16)[rows]]]}
+            for name, cand in self._offered(keys[0]).items():
                 try:  # a kernel that fails on any of the shapes cannot serve them all
                     ops = [(cand.run, self._operand(name, w)) for w in weights]
                     for (fn, op), w in zip(ops, weights):
@@ -289,16 +324,17 @@ class KernelTable:
         return time.perf_counter() - t
 
     # -- using -----------------------------------------------------------------------------------------
-    def plan(self, weight: torch.Tensor,
-             uniform: dict[int, str] | None = None) -> list[tuple[Kernel, torch.Tensor] | None]:
+    def plan(self, weight: torch.Tensor, uniform: dict[int, str] | None = None,
+             bf16: bool = False) -> list[tuple[Kernel, torch.Tensor] | None]:
         """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows; uniform:
-        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`); None where plain F.linear was
-        fastest (so the common path pays no extra call)."""
-        names = self._names(_shape_key(weight))
+        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`; bf16: as `prepare`'s); None where
+        plain F.linear was fastest (so the common path pays no extra call)."""
+        names = self._names(_shape_key(weight, bf16))
         if uniform:
             buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
             names = [uniform.get(b, n) if b is not None else n for b, n in zip(buckets, names)]
-        operands = {n: (self.candidates[n].run, self._operand(n, weight)) for n in set(names) - {"linear"}}
+        offered = {**self.candidates, **self.bf16}
+        operands = {n: (offered[n].run, self._operand(n, weight)) for n in set(names) - {"linear"}}
         return [operands.get(n) for n in names]
 
     def _names(self, shape: str) -> list[str]:
@@ -318,7 +354,7 @@ class KernelTable:
     def _operand(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
         dropped with the weight."""
-        cand = self.candidates[name]
+        cand = self.candidates.get(name) or self.bf16[name]
         if cand.pack is None:
             return weight
         key = (id(weight), name)
@@ -331,8 +367,8 @@ class KernelTable:
         return operand
 
 
-def _shape_key(w: torch.Tensor) -> str:
-    return f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}"
+def _shape_key(w: torch.Tensor, bf16: bool = False) -> str:
+    return f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}" + (BF16_KEY if bf16 else "")
 
 
 _TABLE: KernelTable | None = None
@@ -347,24 +383,32 @@ def default_table() -> KernelTable:
 
 
 @contextmanager
-def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean: bool = True) -> Iterator[KernelTable]:
+def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean: bool = True,
+                     bf16: Collection[nn.Module] = ()) -> Iterator[KernelTable]:
     """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
     shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`).
     lean: the decoder layers run by specdec.sampling.lean multiply through their fused q|k|v and gate|up linears,
     so those are patched (and measured) instead of the five they stand for. Each module's products are then
-    arbitrated as a whole (`table.arbitrate`, once per machine and model)."""
+    arbitrated as a whole (`table.arbitrate`, once per machine and model). bf16: those of `modules` (drafters) whose
+    linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
+    lm_head) stays exact."""
     table = table or default_table()
-    per_module = [[m for m in (decode_linears(mod) if lean else mod.modules())
+    groups = []  # (a module's linears, whether they may take the BF16 candidates)
+    for mod in modules:
+        linears = [m for m in (decode_linears(mod) if lean else mod.modules())
                    if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dim() == 2]
-                  for mod in modules]
-    table.prepare([m.weight for ms in per_module for m in ms])
-    linears = {}  # id -> (linear, the row counts its module runs with one kernel for all)
-    for ms in per_module:
-        uniform = table.arbitrate([m.weight for m in ms]) if ms else {}
-        linears.update({id(m): (m, uniform) for m in ms if id(m) not in linears})
+        groups.append((linears, any(mod is b for b in bf16)))
+    exact = {id(m) for ms, reduced in groups if not reduced for m in ms}
+    groups = [([m for m in ms if id(m) not in exact] if reduced else ms, reduced) for ms, reduced in groups]
+    for reduced in (False, True):
+        table.prepare([m.weight for ms, r in groups if r == reduced for m in ms], bf16=reduced)
+    chosen = {}  # id -> (linear, the row counts its module runs with one kernel for all, bf16)
+    for ms, reduced in groups:
+        uniform = table.arbitrate([m.weight for m in ms], bf16=reduced) if ms else {}
+        chosen.update({id(m): (m, uniform, reduced) for m in ms if id(m) not in chosen})
     patched = []
-    for lin, uniform in linears.values():
-        plan = table.plan(lin.weight, uniform)
+    for lin, uniform, reduced in chosen.values():
+        plan = table.plan(lin.weight, uniform, bf16=reduced)
         if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
             lin.forward = _forward(lin, plan)
             patched.append(lin)

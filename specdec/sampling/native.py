@@ -96,8 +96,9 @@ def _load() -> ctypes.CDLL | None:
         # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to
         # that one by its soname, so both share one thread pool instead of two fighting over the cores
         lib = ctypes.CDLL(str(path))
-        lib.smallm_gemm.restype = None
-        lib.smallm_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16):
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     except (OSError, AttributeError):
         return None
     return lib
@@ -108,17 +109,19 @@ def available() -> bool:
 
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, I] · w [O, I]ᵀ -> [M, O] (raises for anything but float32 on the CPU, or when the library is missing:
-    the kernel table then leaves this candidate out)."""
+    """x [M, I] · w [O, I]ᵀ -> [M, O], x float32 and w float32 (exact) or bfloat16 (the weights rounded, the sums in
+    float32); raises for anything else, off the CPU, or when the library is missing: the kernel table then leaves this
+    candidate out."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the native kernel was not built on this machine")
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, w)):
-        raise ValueError("small_gemm takes float32 CPU tensors")
+    kernels = {torch.float32: lib.smallm_gemm, torch.bfloat16: lib.smallm_gemm_bf16}
+    if x.dtype != torch.float32 or w.dtype not in kernels or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError("small_gemm takes a float32 x and a float32 or bfloat16 w, on the CPU")
     x, w = x.contiguous(), w.contiguous()
     m, i = x.shape
     if w.shape[1] != i:
         raise ValueError(f"small_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
     y = x.new_empty(m, w.shape[0])
-    lib.smallm_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
+    kernels[w.dtype](x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
     return y

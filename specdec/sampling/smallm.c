@@ -6,20 +6,44 @@ row, keeps the M dot products in registers while the x rows (M·I floats) stay i
 the product costs little more than reading W once (960×576 on a Zen 3 EPYC: 128 µs at 1 row, 186 at 5, against 211
 and 317 for PyTorch's default). Rows beyond BLOCK are done BLOCK at a time.
 
+smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
+x and the sums in float32: half the bytes to stream, for a drafter's weights, where a rounded weight changes only what
+is drafted, never what is accepted (the base's own products always use the exact kernel).
+
 Built at first use with the machine's own compiler for its own CPU (-march=native; see native.py), called through
 ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX-512 and NEON alike. */
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define LANES 8   /* floats per vector: 256 bits (two NEON / one AVX2 register, half an AVX-512 one) */
 #define BLOCK 12  /* x rows kept in registers per pass over W */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t half __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline vec load(const float *p) {
     vec v;
     __builtin_memcpy(&v, p, sizeof v); /* unaligned load */
     return v;
+}
+
+/* LANES bfloat16 -> float32: each 16-bit pattern becomes the top half of a 32-bit one */
+static inline vec load_bf16(const uint16_t *p) {
+    half h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const wide u = __builtin_convertvector(h, wide) << 16;
+    vec v;
+    __builtin_memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 static inline float hsum(vec v) {
@@ -30,49 +54,62 @@ static inline float hsum(vec v) {
 
 /* y[m, o] for m < mb over weight rows [o0, o1): per weight row, mb·split independent accumulators (mb, split:
    compile-time constants after inlining). A single x row splits its sum over several accumulators, so that enough
-   FMA chains run at once to hide the FMA latency. The last I % (split·LANES) columns: vectors, then scalars. */
-static inline void rows_block(const float *x, const float *w, float *y, const int mb, const int split, int I, int O,
-                              int o0, int o1) {
-    const int step = split * LANES, i_split = I - I % step, i_vec = I - I % LANES;
-    for (int o = o0; o < o1; o++) {
-        const float *wr = w + (size_t)o * I;
-        vec acc[4][BLOCK];
-        for (int k = 0; k < split; k++)
-            for (int m = 0; m < mb; m++) acc[k][m] = (vec){0};
-        for (int i = 0; i < i_split; i += step)
-            for (int k = 0; k < split; k++) {
-                const vec wv = load(wr + i + k * LANES);
-                for (int m = 0; m < mb; m++) acc[k][m] += wv * load(x + (size_t)m * I + i + k * LANES);
-            }
-        for (int i = i_split; i < i_vec; i += LANES) {
-            const vec wv = load(wr + i);
-            for (int m = 0; m < mb; m++) acc[0][m] += wv * load(x + (size_t)m * I + i);
-        }
-        for (int m = 0; m < mb; m++) {
-            for (int k = 1; k < split; k++) acc[0][m] += acc[k][m];
-            float s = hsum(acc[0][m]);
-            for (int i = i_vec; i < I; i++) s += wr[i] * x[(size_t)m * I + i];
-            y[(size_t)m * O + o] = s;
-        }
+   FMA chains run at once to hide the FMA latency. The last I % (split·LANES) columns: vectors, then scalars.
+   Written once per weight type T (float, or uint16_t holding bfloat16) with its vector and scalar loads. */
+#define ROWS_BLOCK(NAME, T, WLOAD, WSCALAR) \
+    static inline void NAME(const float *x, const T *w, float *y, const int mb, const int split, int I, int O, \
+                            int o0, int o1) { \
+        const int step = split * LANES, i_split = I - I % step, i_vec = I - I % LANES; \
+        for (int o = o0; o < o1; o++) { \
+            const T *wr = w + (size_t)o * I; \
+            vec acc[4][BLOCK]; \
+            for (int k = 0; k < split; k++) \
+                for (int m = 0; m < mb; m++) acc[k][m] = (vec){0}; \
+            for (int i = 0; i < i_split; i += step) \
+                for (int k = 0; k < split; k++) { \
+                    const vec wv = WLOAD(wr + i + k * LANES); \
+                    for (int m = 0; m < mb; m++) acc[k][m] += wv * load(x + (size_t)m * I + i + k * LANES); \
+                } \
+            for (int i = i_split; i < i_vec; i += LANES) { \
+                const vec wv = WLOAD(wr + i); \
+                for (int m = 0; m < mb; m++) acc[0][m] += wv * load(x + (size_t)m * I + i); \
+            } \
+            for (int m = 0; m < mb; m++) { \
+                for (int k = 1; k < split; k++) acc[0][m] += acc[k][m]; \
+                float s = hsum(acc[0][m]); \
+                for (int i = i_vec; i < I; i++) s += WSCALAR(wr[i]) * x[(size_t)m * I + i]; \
+                y[(size_t)m * O + o] = s; \
+            } \
+        } \
     }
-}
+#define AS_FLOAT(v) (v)
+ROWS_BLOCK(rows_block, float, load, AS_FLOAT)
+ROWS_BLOCK(rows_block_bf16, uint16_t, load_bf16, bf16_to_float)
 
 /* one specialisation per block height, so that each keeps its mb·split accumulators, the weight vector and an x
    vector in registers (at most 14 of AVX2's 16) */
 #define SPECIALISE(MB, SPLIT) \
-    static void block_##MB(const float *x, const float *w, float *y, int I, int O, int o0, int o1) { \
-        rows_block(x, w, y, MB, SPLIT, I, O, o0, o1); \
+    static void block_##MB(const float *x, const void *w, float *y, int I, int O, int o0, int o1) { \
+        rows_block(x, (const float *)w, y, MB, SPLIT, I, O, o0, o1); \
+    } \
+    static void block_bf16_##MB(const float *x, const void *w, float *y, int I, int O, int o0, int o1) { \
+        rows_block_bf16(x, (const uint16_t *)w, y, MB, SPLIT, I, O, o0, o1); \
     }
 SPECIALISE(1, 2) SPECIALISE(2, 2) SPECIALISE(3, 2) SPECIALISE(4, 2) SPECIALISE(5, 2) SPECIALISE(6, 2)
 SPECIALISE(7, 1) SPECIALISE(8, 1) SPECIALISE(9, 1) SPECIALISE(10, 1) SPECIALISE(11, 1) SPECIALISE(12, 1)
 
-typedef void (*block_fn)(const float *, const float *, float *, int, int, int, int);
+typedef void (*block_fn)(const float *, const void *, float *, int, int, int, int);
 static const block_fn BLOCKS[BLOCK + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8,
                                            block_9, block_10, block_11, block_12};
+static const block_fn BLOCKS_BF16[BLOCK + 1] = {0, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4,
+                                                block_bf16_5, block_bf16_6, block_bf16_7, block_bf16_8, block_bf16_9,
+                                                block_bf16_10, block_bf16_11, block_bf16_12};
 
-/* x [M, I], w [O, I], y [M, O]; threads: how many OpenMP threads split W's rows (PyTorch's own runtime: the
-   process has loaded PyTorch's libgomp before this library, and the dynamic linker binds this one to it). */
-void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, int threads) {
+/* x [M, I], w [O, I] (the element type `blocks` reads), y [M, O]; threads: how many OpenMP threads split W's rows
+   (PyTorch's own runtime: the process has loaded PyTorch's libgomp before this library, and the dynamic linker binds
+   this one to it). */
+static void gemm(const block_fn *blocks, const float *x, const void *w, float *y, int M, int I, int O,
+                 int threads) {
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
@@ -87,7 +124,16 @@ void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, 
         const int o0 = t * chunk < O ? t * chunk : O, o1 = o0 + chunk < O ? o0 + chunk : O;
         for (int m0 = 0; m0 < M; m0 += BLOCK) {
             const int mb = M - m0 < BLOCK ? M - m0 : BLOCK;
-            BLOCKS[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, o0, o1);
+            blocks[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, o0, o1);
         }
     }
+}
+
+void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, int threads) {
+    gemm(BLOCKS, x, w, y, M, I, O, threads);
+}
+
+/* w: bfloat16 bit patterns */
+void smallm_gemm_bf16(const float *x, const uint16_t *w, float *y, int M, int I, int O, int threads) {
+    gemm(BLOCKS_BF16, x, w, y, M, I, O, threads);
 }
