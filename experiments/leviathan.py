@@ -6,7 +6,7 @@ the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown n
     python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
 
 The table trains the prophet recipe itself (~30 min on 2 cores); any trained chain drafter can take its place:
-    python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet_complete/drafter]'
+    python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet/drafter]'   # the recipe's 1500 steps
     python experiments/leviathan.py --render"""
 
 from specdec.sampling.cost import chain_tau, predicted_speedup
