@@ -5,7 +5,8 @@ the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown n
 
     python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
 
-The table trains the prophet recipe itself at 750 steps (~45 min on 2 cores); any trained chain drafter can take its place:
+The table trains the prophet recipe itself at 750 steps (~45 min on 2 cores); any trained chain drafter can take
+its place:
     python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet/drafter]'   # the recipe's 1500 steps
     python experiments/leviathan.py --render"""
 
