@@ -80,8 +80,10 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {name: [] for name in totals}
     for _ in range(args.passes):
         for name in totals:
-            cls, vcfg = variants.get(name, (type(drafter), cfg))
-            drafter.__class__ = cls  # the same weights through that revision's code
+            vcfg = cfg
+            if name != "ar":
+                cls, vcfg = variants[name]
+                drafter.__class__ = cls  # the same weights through that revision's code
             for prompt in prompts:
                 t = wall_clock(base.device)
                 r = generate(base, [prompt], None if name == "ar" else drafter, vcfg)

@@ -333,8 +333,7 @@ class KernelTable:
         if uniform:
             buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
             names = [uniform.get(b, n) if b is not None else n for b, n in zip(buckets, names)]
-        offered = {**self.candidates, **self.bf16}
-        operands = {n: (offered[n].run, self._operand(n, weight)) for n in set(names) - {"linear"}}
+        operands = {n: (self._candidate(n).run, self._operand(n, weight)) for n in set(names) - {"linear"}}
         return [operands.get(n) for n in names]
 
     def _names(self, shape: str) -> list[str]:
@@ -351,10 +350,13 @@ class KernelTable:
             self._by_rows[shape] = names
         return names
 
+    def _candidate(self, name: str) -> Candidate:
+        return self.candidates.get(name) or self.bf16[name]
+
     def _operand(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
         dropped with the weight."""
-        cand = self.candidates.get(name) or self.bf16[name]
+        cand = self._candidate(name)
         if cand.pack is None:
             return weight
         key = (id(weight), name)
