@@ -3,23 +3,31 @@ AR loop and the HF peers (Spec-Bench style): on HumanEval and on the non-code qu
 dynamic tree, four evaluation runs that each time all their methods in one process. Its runs are also the W1 table
 (python experiments/w1.py --from logs/experiments/drafters/eval).
 
-    python experiments/drafters.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
+    python experiments/drafters.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, train_runs
+The table trains every family itself at an equal, short budget (180 steps, within the hour). The families' recipes,
+each trained to its plateau (configs/experiment/recipe/), take their place in the same evaluation:
+    python evaluate.py -m experiment=drafters/eval 'drafters=[logs/recipe/medusa/drafter,...]'
+    python experiments/drafters.py --render
+Each row's training columns come from the run beside its drafter dir, whichever trained it."""
 
-RUN = {"medusa": "medusa", "hydra": "hydra", "earlyexit": "early_exit", "prophet": "prophet"}  # method -> train run
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, drafter_runs, eval_reports, main
+
+FAMILIES = ("medusa", "hydra", "earlyexit", "prophet")  # the plot's order (method names as evaluate.py gives them)
 SETS = ("humaneval", "question")
 TREES = ("chain", "dynamic_tree")
 
 
 def build(root):
-    trained, reports = train_runs(root), eval_reports(root)
-    rows = []
+    reports = eval_reports(root)
+    rows, trained = [], {}
     for prompts in SETS:
         for tree in TREES:
             report = reports.get(f"{prompts}_{tree}")
+            runs = drafter_runs(report) if report else {}
+            trained.update(runs)
             for r in report["rows"] if report else []:
-                run = trained.get(RUN.get(r["method"], ""), {})
+                run = runs.get(r["method"], {})
                 lev = r.get("leviathan", {})
                 rows.append({"prompts": prompts, "tree": tree, "method": r["method"],
                              "params": run.get("trainable_params"),
@@ -30,7 +38,7 @@ def build(root):
 
     def plot(fig):
         axes = fig.subplots(1, 2)
-        families = [m for m in RUN if any(r["method"] == m for r in rows)]
+        families = [m for m in FAMILIES if any(r["method"] == m for r in rows)]
         combos = [(p, t) for p in SETS for t in TREES]
         width = 0.8 / len(combos)
         for ax, key, label in ((axes[0], "tau", "τ (tokens per base forward)"), (axes[1], "vs_ar", "speedup vs AR (ours)")):
@@ -47,7 +55,7 @@ def build(root):
 
     h = next(iter(reports.values()))["header"]
     drafts = sorted({r["header"]["draft"] for r in reports.values()})
-    steps = {run: t["global_step"] for run, t in trained.items()}
+    steps = {m: f"{t['global_step']} steps ({t['config']['task_name']})" for m, t in trained.items() if t}
     return Table("Drafter families on one base", rows,
                  {"prompts": "prompts", "tree": "draft", "method": "method", "params": "trainable params",
                   "val_tau": "val τ (predicted)", "tau": "τ", "alpha": "α", "c": "c (draft cost / step)",
@@ -55,9 +63,10 @@ def build(root):
                  plot,
                  [f"Base {h['base']}, {h['prompts'].split(' ')[0]} prompts per set, "
                   f"{' or '.join(drafts)}, T = {h['temperature']}, {h['max_new_tokens']} new tokens, batch 1, "
-                  f"{h['device']}. The HF peers have no trees: they run in the chain runs. Training steps: "
+                  f"{h['device']}. The HF peers have no trees: they run in the chain runs. Training (task): "
                   + ", ".join(f"{k} {v}" for k, v in steps.items())
-                  + " (configs/experiment/drafters/train.yaml). c: measured draft cost per drafted token, in AR "
+                  + " (drafters: configs/experiment/drafters/train.yaml; recipe_<family>: "
+                  "configs/experiment/recipe/<family>.yaml). c: measured draft cost per drafted token, in AR "
                   "steps (chain runs)."])
 
 

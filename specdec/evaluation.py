@@ -66,7 +66,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         return done
     torch.manual_seed(cfg.seed)
     # Checkpoint metadata first: a drafter from another base fails here, before the base is even loaded.
-    paths = _drafter_names(list(cfg.drafters or []))
+    paths = drafter_names(list(cfg.drafters or []))
     metas = {name: read_meta(p) for name, p in paths.items()}
     base: Base = hydra.utils.instantiate(cfg.base)
     drafters = {name: load_drafter(p, base) for name, p in paths.items()}
@@ -421,7 +421,7 @@ def _unique(name: str, taken: dict) -> str:
     return name if name not in taken else f"{name}#{len(taken)}"
 
 
-def _drafter_names(paths: list[str]) -> dict[str, str]:
+def drafter_names(paths: list[str]) -> dict[str, str]:
     """Method names from the drafter classes (medusa, prophet, ...), numbered when a class repeats."""
     names: dict[str, str] = {}
     for p in paths:

@@ -114,6 +114,18 @@ def eval_reports(root: Path) -> dict[str, dict]:
     return reports
 
 
+def drafter_runs(report: dict) -> dict[str, dict]:
+    """The training run of each drafter an evaluation report names, whichever sweep or recipe trained it: method
+    name (as evaluate.py gives it) -> the result.json beside that drafter dir ({} where its run left none)."""
+    from specdec.evaluation import drafter_names  # (loads torch and transformers: only when a table needs it)
+
+    runs = {}
+    for method, path in drafter_names(report["config"].get("drafters") or []).items():
+        result = Path(path).parent / RESULT
+        runs[method] = json.loads(result.read_text()) if result.exists() else {}
+    return runs
+
+
 def method_row(report: dict, method: str) -> dict:
     return next(r for r in report["rows"] if r["method"] == method)
 

@@ -59,6 +59,9 @@ def test_table_smoke(table, smoke_runs):
     assert md.count("\n|") == TABLES[table] + 2 and f"experiments/{table}.py --smoke" in md
     assert (out / f"{table}.png").stat().st_size > 10_000
     if table == "drafters":  # its four evaluation runs are the W1 protocol: w1.py collects them
+        # every drafter row names its own training run's size and validation τ (read beside its drafter dir)
+        drafted = [r for r in rows if r["method"] in {"medusa", "hydra", "earlyexit", "prophet"}]
+        assert len(drafted) == 16 and all(int(r["params"]) > 0 and float(r["val_tau"]) >= 1 for r in drafted)
         w1 = subprocess.run([sys.executable, str(ROOT / "experiments" / "w1.py"), "--from",
                              str(tmp_path / "experiments" / "drafters" / "eval"), "--out", str(tmp_path / "w1")],
                             capture_output=True, text=True)
