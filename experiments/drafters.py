@@ -7,7 +7,7 @@ dynamic tree, four evaluation runs that each time all their methods in one proce
 
 The table trains every family itself at an equal, short budget (180 steps, within the hour). The families' recipes,
 each trained to its plateau (configs/experiment/recipe/), take their place in the same evaluation:
-    python evaluate.py -m experiment=drafters/eval 'drafters=[logs/recipe/medusa/drafter,...]'
+    python evaluate.py experiment=drafters/eval 'drafters=[logs/recipe/medusa/drafter,...]'
     python experiments/drafters.py --render
 Each row's training columns come from the run beside its drafter dir, whichever trained it."""
 

@@ -425,8 +425,7 @@ def drafter_names(paths: list[str]) -> dict[str, str]:
     """Method names from the drafter classes (medusa, prophet, ...), numbered when a class repeats."""
     names: dict[str, str] = {}
     for p in paths:
-        name = read_meta(p)["target"].rsplit(".", 1)[-1].lower()
-        names[name if name not in names else f"{name}#{len(names)}"] = p
+        names[_unique(read_meta(p)["target"].rsplit(".", 1)[-1].lower(), names)] = p
     return names
 
 
