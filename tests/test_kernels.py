@@ -78,6 +78,17 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again(tmp_path, stored)
     assert KernelTable(path, candidates=CLEAR, rows=ROWS).choice == table.choice
 
 
+def test_a_table_measured_among_other_candidates_is_measured_again(tmp_path):
+    """A stored table that never saw a candidate (one added since, or another native source) is not re-checked shape
+    by shape but measured again: a per-shape re-check only catches a choice that became 1.5x slower."""
+    path = tmp_path / "k.json"
+    KernelTable(path, candidates={"linear": CANDIDATES["linear"]}, rows=ROWS).prepare([torch.randn(64, 32)])
+    table = KernelTable(path, candidates=CLEAR, rows=ROWS)
+    assert table.choice == {}
+    table.prepare([torch.randn(64, 32)])
+    assert table.measure_s > 0 and set(table.timings["64x32:float32"][1]) == {"linear", "slow"}
+
+
 @pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "linear"])
 def test_every_kernel_path_is_greedy_identical(tiny, name):
     """Force one kernel everywhere it runs (rows it cannot take stay on F.linear) and decode: same tokens."""

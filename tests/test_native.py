@@ -96,3 +96,27 @@ def test_bf16_weights_are_the_product_of_the_rounded_weights():
             torch.testing.assert_close(native.small_gemm(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError):
         native.small_gemm(x.bfloat16(), w)  # x stays float32
+
+
+@pytest.mark.skipif(not has_compiler, reason="no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_product(threads):
+    """The packed layout: every row count (passes of up to 12 rows and what remains), output rows that do not fill a
+    block or split evenly over the threads, float32 and bfloat16 weights."""
+    assert native.available()
+    g = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, o in [(64, 48), (37, 7), (13, 130), (576, 960), (576, 33)]:
+            w = torch.randn(o, i, generator=g)
+            exact, rounded = native.pack(w), native.pack(w.bfloat16())
+            for m in [1, 2, 3, 5, 6, 7, 8, 11, 12, 13, 25]:
+                x = torch.randn(m, i, generator=g)
+                torch.testing.assert_close(native.packed_gemm(x, exact), F.linear(x, w), rtol=1e-5, atol=1e-4)
+                torch.testing.assert_close(native.packed_gemm(x, rounded), F.linear(x, w.bfloat16().float()),
+                                           rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError):
+        native.packed_gemm(torch.randn(2, 63), native.pack(torch.randn(8, 64)))  # inputs do not match

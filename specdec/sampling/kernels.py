@@ -32,7 +32,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from torch import nn
 from specdec.sampling import native
 from specdec.sampling.lean import decode_linears
 
-Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, I], operand) -> [M, O]
+Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
 # A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
 # every candidate; if the stored kernel is now SLOWER than the best by this factor, the table was measured while the
@@ -59,7 +59,7 @@ WHOLE_MARGIN = 1.05
 @dataclass(frozen=True)
 class Candidate:
     run: Kernel  # (x [M, I], pack(w)) -> x·Wᵀ [M, O], contiguous
-    pack: Callable[[torch.Tensor], torch.Tensor] | None = None  # weight [O, I] -> the operand `run` reads; None: w
+    pack: Callable[[torch.Tensor], Any] | None = None  # weight [O, I] -> the operand `run` reads; None: w
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -105,6 +105,11 @@ def _native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return native.small_gemm(x, w)
 
 
+def _native_packed(x: torch.Tensor, w: native.Packed) -> torch.Tensor:
+    # smallm.c's packed layout: every weight load serves all the rows, no horizontal sums (flat in rows up to ~12)
+    return native.packed_gemm(x, w)
+
+
 def _linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # PyTorch's own bfloat16 product (x rounded too): fast where the CPU has bf16 instructions, else slow, so measured
     return F.linear(x.to(w.dtype), w).float()
@@ -127,10 +132,12 @@ CANDIDATES: dict[str, Candidate] = {
     "onednn": Candidate(_onednn),
     "onednn_packed": Candidate(_onednn, _onednn_pack),
     "native": Candidate(_native),
+    "native_packed": Candidate(_native_packed, native.pack),
 }
 # the weight rounded to bfloat16: for a drafter's linears only (see the module docstring)
 BF16: dict[str, Candidate] = {
     "native_bf16": Candidate(_native, _to_bf16),
+    "native_packed_bf16": Candidate(_native_packed, lambda w: native.pack(_to_bf16(w))),
     "linear_bf16": Candidate(_linear_bf16, _to_bf16),
 }
 BF16_KEY = "~bf16"  # shape-key suffix of a weight that may take the BF16 candidates
@@ -172,12 +179,17 @@ class KernelTable:
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         self.check_s = 0.0  # time spent re-checking stored choices in this process (reported too)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
-        self._packed: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._packed: dict[tuple[int, str], tuple[weakref.ref, int, Any]] = {}
         self._by_rows: dict[str, list[str]] = {}  # shape -> kernel name per row count (see _names)
         self._checked: set[str] = set()  # shapes whose stored choice was re-checked in this process
         self.remeasured: list[str] = []  # shapes a re-check found measured on a busy machine (measured again)
+        # what a stored choice was made among: a table measured before a candidate was added (or the native source
+        # changed) never saw it, so it is measured again rather than re-checked shape by shape
+        self.signature = _signature({**self.candidates, **self.bf16})
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
+            if stored.get("candidates") != self.signature:
+                stored = {}
             self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
             self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored.get("timings", {}).items()}
             self.uniform = {m: {int(r): k for r, k in c.items()} for m, c in stored.get("uniform", {}).items()}
@@ -272,7 +284,8 @@ class KernelTable:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         stored = json.loads(self.path.read_text()) if self.path.exists() else {}
-        stored[self.key] = {"choice": self.choice, "timings": self.timings, "uniform": self.uniform}
+        stored[self.key] = {"candidates": self.signature, "choice": self.choice, "timings": self.timings,
+                            "uniform": self.uniform}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(stored, indent=1))
         os.replace(tmp, self.path)
@@ -353,7 +366,7 @@ class KernelTable:
     def _candidate(self, name: str) -> Candidate:
         return self.candidates.get(name) or self.bf16[name]
 
-    def _operand(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+    def _operand(self, name: str, weight: torch.Tensor) -> Any:
         """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
         dropped with the weight."""
         cand = self._candidate(name)
@@ -367,6 +380,12 @@ class KernelTable:
             self._packed[key] = (weakref.ref(weight, lambda _, k=key: self._packed.pop(k, None)), weight._version,
                                  operand)
         return operand
+
+
+def _signature(candidates: dict[str, Candidate]) -> str:
+    """The candidates' names and the native kernel's source, hashed."""
+    text = " ".join(sorted(candidates)) + (native.SOURCE.read_text() if native.SOURCE.exists() else "")
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _shape_key(w: torch.Tensor, bf16: bool = False) -> str:

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -96,9 +97,10 @@ def _load() -> ctypes.CDLL | None:
         # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to
         # that one by its soname, so both share one thread pool instead of two fighting over the cores
         lib = ctypes.CDLL(str(path))
-        for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16):
+        for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16, lib.smallm_packed, lib.smallm_packed_bf16):
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        lib.smallm_pack_rows.restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
     return lib
@@ -124,4 +126,42 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"small_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
     y = x.new_empty(m, w.shape[0])
     kernels[w.dtype](x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
+    return y
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight [O, I] in smallm_packed's layout: blocks [ceil(O/R), I, R] (R = the library's pack width; block b holds
+    output rows b·R .. b·R + R − 1 column by column, zero-padded past O), float32 or bfloat16."""
+
+    blocks: torch.Tensor
+    out_features: int
+
+
+def pack(w: torch.Tensor) -> Packed:
+    """w [O, I] (float32, or bfloat16 for a drafter's rounded copy) -> its packed copy."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native kernel was not built on this machine")
+    r = lib.smallm_pack_rows()
+    o, i = w.shape
+    padded = torch.cat([w, w.new_zeros(-o % r, i)]) if o % r else w
+    return Packed(padded.reshape(-1, r, i).transpose(1, 2).contiguous(), o)
+
+
+def packed_gemm(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """x [M, I] · Wᵀ -> [M, O] from W's packed copy (see `pack`); the same checks as small_gemm."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native kernel was not built on this machine")
+    kernels = {torch.float32: lib.smallm_packed, torch.bfloat16: lib.smallm_packed_bf16}
+    blocks = w.blocks
+    if x.dtype != torch.float32 or blocks.dtype not in kernels or x.device.type != "cpu" or blocks.device.type != "cpu":
+        raise ValueError("packed_gemm takes a float32 x and a float32 or bfloat16 packed weight, on the CPU")
+    x = x.contiguous()
+    m, i = x.shape
+    if blocks.shape[1] != i:
+        raise ValueError(f"packed_gemm: x {tuple(x.shape)} and a packed weight of {blocks.shape[1]} inputs do not multiply")
+    y = x.new_empty(m, w.out_features)
+    kernels[blocks.dtype](x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, i, w.out_features, torch.get_num_threads())
     return y

@@ -6,6 +6,15 @@ row, keeps the M dot products in registers while the x rows (M·I floats) stay i
 the product costs little more than reading W once (960×576 on a Zen 3 EPYC: 128 µs at 1 row, 186 at 5, against 211
 and 317 for PyTorch's default). Rows beyond BLOCK are done BLOCK at a time.
 
+smallm_packed does the same product from W packed in blocks of PACK output rows laid out column by column
+([ceil(O/PACK), I, PACK], zero-padded; smallm_pack_rows() tells PACK): per input column it loads PACK weights (two
+vectors) once, broadcasts each x row's value and adds into 2·M vector accumulators, so there are no horizontal sums, one
+sequential stream per thread, and every weight load serves all M rows. The row-major kernel above turns compute-bound
+from M = 3 on; this one stays at the cost of reading W once up to 12 rows. One pass over SmolLM2's products (its 121
+decode linears and the lm_head), Zen 4 EPYC, 2 threads, one run: row-major 19.5 / 22.1 / 29.3 / 51.5 / 67.0 ms at 1 /
+3 / 5 / 8 / 12 rows, packed 19.2 / 19.0 / 19.0 / 19.0 / 21.2 ms. The layout is a second copy of the weight, made once
+per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads a bfloat16 copy (see below).
+
 smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
 x and the sums in float32: half the bytes to stream, for a drafter's weights, where a rounded weight changes only what
 is drafted, never what is accepted (the base's own products always use the exact kernel).
@@ -19,9 +28,22 @@ ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX
 #define LANES 8   /* floats per vector: 256 bits (two NEON / one AVX2 register, half an AVX-512 one) */
 #define BLOCK 12  /* x rows kept in registers per pass over W */
 
+/* The packed kernel's vectors: 512 bits where the CPU has AVX-512 (32 registers: 2·12 accumulators fit), else 256 */
+#if defined(__AVX512F__)
+#define PLANES 16
+#define PBLOCK 12
+#else
+#define PLANES 8
+#define PBLOCK 6 /* 2·6 accumulators + 2 weight vectors + 1 broadcast within 16 registers */
+#endif
+#define PACK (2 * PLANES) /* output rows per packed block */
+
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t half __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef float pvec __attribute__((vector_size(PLANES * sizeof(float))));
+typedef uint32_t pwide __attribute__((vector_size(PLANES * sizeof(uint32_t))));
+typedef uint16_t phalf __attribute__((vector_size(PLANES * sizeof(uint16_t))));
 
 static inline vec load(const float *p) {
     vec v;
@@ -35,6 +57,21 @@ static inline vec load_bf16(const uint16_t *p) {
     __builtin_memcpy(&h, p, sizeof h);
     const wide u = __builtin_convertvector(h, wide) << 16;
     vec v;
+    __builtin_memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline pvec pload(const float *p) {
+    pvec v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline pvec pload_bf16(const uint16_t *p) {
+    phalf h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const pwide u = __builtin_convertvector(h, pwide) << 16;
+    pvec v;
     __builtin_memcpy(&v, &u, sizeof v);
     return v;
 }
@@ -105,6 +142,48 @@ static const block_fn BLOCKS_BF16[BLOCK + 1] = {0, block_bf16_1, block_bf16_2, b
                                                 block_bf16_5, block_bf16_6, block_bf16_7, block_bf16_8, block_bf16_9,
                                                 block_bf16_10, block_bf16_11, block_bf16_12};
 
+/* y[m, o] for m < MB over packed blocks [b0, b1) of wp [ceil(O/PACK), I, PACK] (element type T): per block, MB x rows
+times PACK outputs in 2·MB accumulators; x[m, i] is broadcast against the block's column i. MB is a compile-time
+constant (one function per height), so the accumulators stay in registers. */
+#define PACKED_BLOCK(NAME, T, PLOAD, MB) \
+    static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
+        for (int b = b0; b < b1; b++) { \
+            const T *wb = (const T *)wp + (size_t)b * I * PACK; \
+            pvec lo[MB], hi[MB]; \
+            for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
+            for (int i = 0; i < I; i++) { \
+                const pvec w0 = PLOAD(wb + (size_t)i * PACK), w1 = PLOAD(wb + (size_t)i * PACK + PLANES); \
+                for (int m = 0; m < (MB); m++) { \
+                    const float xv = x[(size_t)m * I + i]; \
+                    lo[m] += w0 * xv; \
+                    hi[m] += w1 * xv; \
+                } \
+            } \
+            const int o = b * PACK, n = O - o < PACK ? O - o : PACK; \
+            for (int m = 0; m < (MB); m++) { \
+                float *ym = y + (size_t)m * O + o; \
+                if (n == PACK) { \
+                    __builtin_memcpy(ym, &lo[m], sizeof lo[m]); \
+                    __builtin_memcpy(ym + PLANES, &hi[m], sizeof hi[m]); \
+                } else { \
+                    for (int k = 0; k < n; k++) ym[k] = k < PLANES ? lo[m][k] : hi[m][k - PLANES]; \
+                } \
+            } \
+        } \
+    }
+#define PACKED_HEIGHTS(P, T, PLOAD) \
+    PACKED_BLOCK(P##1, T, PLOAD, 1) PACKED_BLOCK(P##2, T, PLOAD, 2) PACKED_BLOCK(P##3, T, PLOAD, 3) \
+    PACKED_BLOCK(P##4, T, PLOAD, 4) PACKED_BLOCK(P##5, T, PLOAD, 5) PACKED_BLOCK(P##6, T, PLOAD, 6) \
+    PACKED_BLOCK(P##7, T, PLOAD, 7) PACKED_BLOCK(P##8, T, PLOAD, 8) PACKED_BLOCK(P##9, T, PLOAD, 9) \
+    PACKED_BLOCK(P##10, T, PLOAD, 10) PACKED_BLOCK(P##11, T, PLOAD, 11) PACKED_BLOCK(P##12, T, PLOAD, 12)
+PACKED_HEIGHTS(packed_, float, pload)
+PACKED_HEIGHTS(packed_bf16_, uint16_t, pload_bf16)
+static const block_fn PACKED[BLOCK + 1] = {0, packed_1, packed_2, packed_3, packed_4, packed_5, packed_6, packed_7,
+                                           packed_8, packed_9, packed_10, packed_11, packed_12};
+static const block_fn PACKED_BF16[BLOCK + 1] = {0, packed_bf16_1, packed_bf16_2, packed_bf16_3, packed_bf16_4,
+                                                packed_bf16_5, packed_bf16_6, packed_bf16_7, packed_bf16_8,
+                                                packed_bf16_9, packed_bf16_10, packed_bf16_11, packed_bf16_12};
+
 /* x [M, I], w [O, I] (the element type `blocks` reads), y [M, O]; threads: how many OpenMP threads split W's rows
    (PyTorch's own runtime: the process has loaded PyTorch's libgomp before this library, and the dynamic linker binds
    this one to it). */
@@ -127,6 +206,38 @@ static void gemm(const block_fn *blocks, const float *x, const void *w, float *y
             blocks[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, o0, o1);
         }
     }
+}
+
+/* x [M, I], wp [ceil(O/PACK), I, PACK] (float32, or bfloat16 bit patterns), y [M, O]; threads split the blocks, PBLOCK
+   x rows per pass (heights above PBLOCK would spill registers). */
+static void gemm_packed(const block_fn *blocks, const float *x, const void *wp, float *y, int M, int I, int O,
+                        int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int t = 0, n = 1;
+#endif
+        const int nb = (O + PACK - 1) / PACK, chunk = (nb + n - 1) / n;
+        const int b0 = t * chunk < nb ? t * chunk : nb, b1 = b0 + chunk < nb ? b0 + chunk : nb;
+        for (int m0 = 0; m0 < M; m0 += PBLOCK) {
+            const int mb = M - m0 < PBLOCK ? M - m0 : PBLOCK;
+            blocks[mb](x + (size_t)m0 * I, wp, y + (size_t)m0 * O, I, O, b0, b1);
+        }
+    }
+}
+
+int smallm_pack_rows(void) { return PACK; }
+
+void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int O, int threads) {
+    gemm_packed(PACKED, x, wp, y, M, I, O, threads);
+}
+
+void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int I, int O, int threads) {
+    gemm_packed(PACKED_BF16, x, wp, y, M, I, O, threads);
 }
 
 void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, int threads) {
