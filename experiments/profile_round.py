@@ -74,12 +74,17 @@ def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
                     choice[rows] = measured[shape][rows] if kind == "measured" or rows == 1 else kind
             table._by_rows.clear()  # the per-shape lookup is rebuilt from the edited choice
             for p in prompts:
-                a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+                try:
+                    a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+                except (RuntimeError, ValueError):  # a kernel that cannot take these rows (mv: one row only)
+                    v[kind] = []
+                    break
                 v.setdefault(kind, []).append(statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s))
     table.choice = measured
     table._by_rows.clear()
     for kind, vs in v.items():
-        print(f"v({spec.gamma + 1}) with {kind:14s} {statistics.median(vs):.2f}  ({len(vs)} prompt runs)")
+        print(f"v({spec.gamma + 1}) with {kind:14s} " + (f"{statistics.median(vs):.2f}  ({len(vs)} prompt runs)" if vs
+                                                         else "—  (cannot take these rows)"))
 
 
 if __name__ == "__main__":
