@@ -1,6 +1,8 @@
-"""The native small-M product against the kernel table without it, in one process (ratios in one run: these machines
-are noisy): T_n of the base's verify forward with each table, rounds interleaved, and the per-shape timings of every
-candidate as the table measured them on this machine.
+"""The native small-M products against the kernel table without them, in one process (ratios in one run: these
+machines are noisy): T_n of the base's verify forward with three tables (no native product; the row-major one only;
+both, the default), rounds interleaved; one pass over the base's products in call order with each of them (and oneDNN's
+packed product) for every weight, per row count; and the per-shape timings of every candidate as the default table
+measured them on this machine.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_native.py      # -> experiments/results/bench/native.{json,md}
 """
@@ -11,6 +13,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,12 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.sampling import native  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
-from specdec.sampling.kernels import CANDIDATES, DEFAULT_CACHE, KernelTable, machine_key  # noqa: E402
+from specdec.sampling.kernels import BF16_KEY, CANDIDATES, DEFAULT_CACHE, KernelTable, machine_key  # noqa: E402
+from specdec.sampling.lean import decode_linears  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 3, 5, 9, 13, 17])
+    ap.add_argument("--pass-rows", type=int, nargs="+", default=[1, 3, 5, 8, 12])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="experiments/results/bench")
@@ -33,23 +38,28 @@ def main() -> None:
     if not native.available():
         sys.exit("the native kernel is not built on this machine (no C compiler, or SPECDEC_NATIVE=0)")
     base = load_base(dtype="float32", device="cpu")
-    # two tables over the same candidates but one: the one without native lives beside the default one
-    tables = {"without native": KernelTable(DEFAULT_CACHE.with_name("kernels-without-native.json"),
-                                            candidates={k: c for k, c in CANDIDATES.items() if k != "native"}),
-              "with native": KernelTable()}
+    # tables over the same candidates but the native ones (each cached beside the default one), and the default
+    without = {"without native": ("native", "native_packed"), "row-major native only": ("native_packed",)}
+    tables = {name: KernelTable(DEFAULT_CACHE.with_name(f"kernels-without-{'-'.join(left)}.json"),
+                                candidates={k: c for k, c in CANDIDATES.items() if k not in left})
+              for name, left in without.items()}
+    tables["with both (default)"] = KernelTable()
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.ns} for name in tables}
     for _ in range(args.rounds):  # interleaved rounds: drift hits both alike
         for name, table in tables.items():
             for n, t in forward_costs(base, args.ns, reps=5, table=table).items():
                 times[name][n].append(t)
     med = {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
+    default = tables["with both (default)"]
     shapes = {k: {r: {c: round(s * 1e6, 1) for c, s in t.items()} for r, t in by_rows.items() if r in (1, 2, 5, 8)}
-              for k, by_rows in tables["with native"].timings.items()}
+              for k, by_rows in default.timings.items() if k in default.choice and not k.endswith(BF16_KEY)}
     result = {"machine": machine_key(), "ns": args.ns, "rounds": args.rounds,
               "t_ms": {name: {n: round(t * 1e3, 2) for n, t in m.items()} for name, m in med.items()},
               "v": {name: {n: round(t / m[1], 3) for n, t in m.items()} for name, m in med.items()},
-              "native_vs_without": {n: round(med["without native"][n] / med["with native"][n], 3) for n in args.ns},
-              "per_shape_us": shapes, "choice": tables["with native"].choice}
+              "native_vs_without": {n: round(med["without native"][n] / med["with both (default)"][n], 3)
+                                    for n in args.ns},
+              "pass_ms": product_pass(base, args.pass_rows, ("native", "native_packed", "onednn_packed")),
+              "per_shape_us": shapes, "choice": default.choice}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "native.json").write_text(json.dumps(result, indent=1))
@@ -57,9 +67,35 @@ def main() -> None:
     print(render(result, args))
 
 
+@torch.no_grad()
+def product_pass(base, rows: list[int], kernels: tuple[str, ...], passes: int = 5) -> dict[str, dict[int, float]]:
+    """ms of one pass over the base's decode products in call order (every layer's q|k|v, o, gate|up, down, then the
+    lm_head) with one kernel for all of them, at each row count: best of `passes` interleaved passes."""
+    weights = [m.weight for m in decode_linears(base.model) if isinstance(m, torch.nn.Linear)]
+    if all(w is not base.lm_head.weight for w in weights):
+        weights.append(base.lm_head.weight)
+    usable = {}
+    for name in kernels:
+        cand = CANDIDATES[name]
+        try:  # a kernel this build lacks is left out
+            usable[name] = (cand.run, [cand.pack(w) if cand.pack else w for w in weights])
+        except Exception:  # noqa: BLE001
+            continue
+    xs = {r: {w.shape[1]: torch.randn(r, w.shape[1]) for w in weights} for r in rows}
+    best = {name: {r: float("inf") for r in rows} for name in usable}
+    for _ in range(passes):
+        for r in rows:
+            for name, (run, operands) in usable.items():
+                t = time.perf_counter()
+                for w, op in zip(weights, operands):
+                    run(xs[r][w.shape[1]], op)
+                best[name][r] = min(best[name][r], time.perf_counter() - t)
+    return {name: {r: round(t * 1e3, 2) for r, t in by_rows.items()} for name, by_rows in best.items()}
+
+
 def render(r: dict, args) -> str:
     ns = r["ns"]
-    lines = [f"# Native small-M product vs the kernel table without it: {r['machine']}", "",
+    lines = [f"# Native small-M products vs the kernel table without them: {r['machine']}", "",
              f"`OMP_NUM_THREADS={args.threads} .venv/bin/python experiments/bench_native.py` — T_n of one verify "
              f"forward (SmolLM2 fp32, 128-token prompt, lm_head included), median of {r['rounds']} interleaved rounds "
              "× 5 reps per table, one process.", "",
@@ -68,7 +104,14 @@ def render(r: dict, args) -> str:
         lines.append(f"| T_n ms, {name} | " + " | ".join(f"{r['t_ms'][name][n]:.1f}" for n in ns) + " |")
     for name in r["v"]:
         lines.append(f"| v(n), {name} | " + " | ".join(f"{r['v'][name][n]:.2f}" for n in ns) + " |")
-    lines.append("| without / with native | " + " | ".join(f"{r['native_vs_without'][n]:.2f}×" for n in ns) + " |")
+    lines.append("| T_n without native / with both | " + " | ".join(f"{r['native_vs_without'][n]:.2f}×" for n in ns)
+                 + " |")
+    rows = list(next(iter(r["pass_ms"].values())))
+    lines += ["", "One pass over the base's products in call order (each layer's q|k|v, o, gate|up, down, then the "
+              "lm_head), one kernel for all, ms (best of 5 interleaved passes):", "",
+              "| kernel | " + " | ".join(f"{n} rows" for n in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name, by_rows in r["pass_ms"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_rows[n]:.1f}" for n in rows) + " |")
     lines += ["", "Per-shape timings of every candidate as the table measured them (µs per product, best of 3 passes "
               "over all weights of the shape):", "", "| shape | rows | " + " | ".join(CANDIDATES) + " | chosen |",
               "|---|---|" + "---|" * (len(CANDIDATES) + 1)]

@@ -11,8 +11,8 @@ smallm_packed does the same product from W packed in blocks of PACK output rows 
 vectors) once, broadcasts each x row's value and adds into 2·M vector accumulators, so there are no horizontal sums, one
 sequential stream per thread, and every weight load serves all M rows. The row-major kernel above turns compute-bound
 from M = 3 on; this one stays at the cost of reading W once up to 12 rows. One pass over SmolLM2's products (its 121
-decode linears and the lm_head), Zen 4 EPYC, 2 threads, one run: row-major 19.5 / 22.1 / 29.3 / 51.5 / 67.0 ms at 1 /
-3 / 5 / 8 / 12 rows, packed 19.2 / 19.0 / 19.0 / 19.0 / 21.2 ms. The layout is a second copy of the weight, made once
+decode linears and the lm_head), Zen 4 EPYC, 2 threads, one run (experiments/bench_native.py): row-major 11.9 / 17.5 /
+24.2 / 42.4 / 56.0 ms at 1 / 3 / 5 / 8 / 12 rows, packed 10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms. The layout is a second copy of the weight, made once
 per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads a bfloat16 copy (see below).
 
 smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
