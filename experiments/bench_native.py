@@ -45,7 +45,7 @@ def main() -> None:
               for name, left in without.items()}
     tables["with both (default)"] = KernelTable()
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.ns} for name in tables}
-    for _ in range(args.rounds):  # interleaved rounds: drift hits both alike
+    for _ in range(args.rounds):  # interleaved rounds: drift hits every table alike
         for name, table in tables.items():
             for n, t in forward_costs(base, args.ns, reps=5, table=table).items():
                 times[name][n].append(t)

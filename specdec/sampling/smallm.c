@@ -38,43 +38,27 @@ ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX
 #endif
 #define PACK (2 * PLANES) /* output rows per packed block */
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t half __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef float pvec __attribute__((vector_size(PLANES * sizeof(float))));
-typedef uint32_t pwide __attribute__((vector_size(PLANES * sizeof(uint32_t))));
-typedef uint16_t phalf __attribute__((vector_size(PLANES * sizeof(uint16_t))));
-
-static inline vec load(const float *p) {
-    vec v;
-    __builtin_memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-/* LANES bfloat16 -> float32: each 16-bit pattern becomes the top half of a 32-bit one */
-static inline vec load_bf16(const uint16_t *p) {
-    half h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const wide u = __builtin_convertvector(h, wide) << 16;
-    vec v;
-    __builtin_memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-static inline pvec pload(const float *p) {
-    pvec v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline pvec pload_bf16(const uint16_t *p) {
-    phalf h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const pwide u = __builtin_convertvector(h, pwide) << 16;
-    pvec v;
-    __builtin_memcpy(&v, &u, sizeof v);
-    return v;
-}
+/* A vector type of N floats with its loads: V (float32), from float32 (unaligned) and from bfloat16 (each 16-bit
+   pattern becomes the top half of a 32-bit one). vec: the row-major kernel's LANES; pvec: the packed kernel's PLANES. */
+#define VECTOR(V, N, LOAD, LOAD_BF16) \
+    typedef float V __attribute__((vector_size(N * sizeof(float)))); \
+    typedef uint32_t V##_wide __attribute__((vector_size(N * sizeof(uint32_t)))); \
+    typedef uint16_t V##_half __attribute__((vector_size(N * sizeof(uint16_t)))); \
+    static inline V LOAD(const float *p) { \
+        V v; \
+        __builtin_memcpy(&v, p, sizeof v); \
+        return v; \
+    } \
+    static inline V LOAD_BF16(const uint16_t *p) { \
+        V##_half h; \
+        __builtin_memcpy(&h, p, sizeof h); \
+        const V##_wide u = __builtin_convertvector(h, V##_wide) << 16; \
+        V v; \
+        __builtin_memcpy(&v, &u, sizeof v); \
+        return v; \
+    }
+VECTOR(vec, LANES, load, load_bf16)
+VECTOR(pvec, PLANES, pload, pload_bf16)
 
 static inline float bf16_to_float(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;
@@ -184,11 +168,12 @@ static const block_fn PACKED_BF16[BLOCK + 1] = {0, packed_bf16_1, packed_bf16_2,
                                                 packed_bf16_5, packed_bf16_6, packed_bf16_7, packed_bf16_8,
                                                 packed_bf16_9, packed_bf16_10, packed_bf16_11, packed_bf16_12};
 
-/* x [M, I], w [O, I] (the element type `blocks` reads), y [M, O]; threads: how many OpenMP threads split W's rows
-   (PyTorch's own runtime: the process has loaded PyTorch's libgomp before this library, and the dynamic linker binds
-   this one to it). */
-static void gemm(const block_fn *blocks, const float *x, const void *w, float *y, int M, int I, int O,
-                 int threads) {
+/* x [M, I], w (the layout and element type `blocks` read), y [M, O]; `blocks` take `height` x rows per pass and a range
+   [r0, r1) of `units` (W's rows, or packed blocks), which the threads split into contiguous ranges, each a multiple of
+   `align`. threads: how many OpenMP threads (PyTorch's own runtime: the process has loaded PyTorch's libgomp before
+   this library, and the dynamic linker binds this one to it). */
+static void gemm(const block_fn *blocks, int height, int units, int align, const float *x, const void *w, float *y,
+                 int M, int I, int O, int threads) {
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
@@ -198,53 +183,32 @@ static void gemm(const block_fn *blocks, const float *x, const void *w, float *y
 #else
         const int t = 0, n = 1;
 #endif
-        /* contiguous row ranges, one per thread, each a multiple of 4 rows (cache lines of the output) */
-        const int chunk = ((O + n - 1) / n + 3) / 4 * 4;
-        const int o0 = t * chunk < O ? t * chunk : O, o1 = o0 + chunk < O ? o0 + chunk : O;
-        for (int m0 = 0; m0 < M; m0 += BLOCK) {
-            const int mb = M - m0 < BLOCK ? M - m0 : BLOCK;
-            blocks[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, o0, o1);
-        }
-    }
-}
-
-/* x [M, I], wp [ceil(O/PACK), I, PACK] (float32, or bfloat16 bit patterns), y [M, O]; threads split the blocks, PBLOCK
-   x rows per pass (heights above PBLOCK would spill registers). */
-static void gemm_packed(const block_fn *blocks, const float *x, const void *wp, float *y, int M, int I, int O,
-                        int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int t = 0, n = 1;
-#endif
-        const int nb = (O + PACK - 1) / PACK, chunk = (nb + n - 1) / n;
-        const int b0 = t * chunk < nb ? t * chunk : nb, b1 = b0 + chunk < nb ? b0 + chunk : nb;
-        for (int m0 = 0; m0 < M; m0 += PBLOCK) {
-            const int mb = M - m0 < PBLOCK ? M - m0 : PBLOCK;
-            blocks[mb](x + (size_t)m0 * I, wp, y + (size_t)m0 * O, I, O, b0, b1);
+        const int chunk = ((units + n - 1) / n + align - 1) / align * align;
+        const int r0 = t * chunk < units ? t * chunk : units, r1 = r0 + chunk < units ? r0 + chunk : units;
+        for (int m0 = 0; m0 < M; m0 += height) {
+            const int mb = M - m0 < height ? M - m0 : height;
+            blocks[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, r0, r1);
         }
     }
 }
 
 int smallm_pack_rows(void) { return PACK; }
 
+/* wp [ceil(O/PACK), I, PACK]: PBLOCK x rows per pass (more would spill registers) */
 void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int O, int threads) {
-    gemm_packed(PACKED, x, wp, y, M, I, O, threads);
+    gemm(PACKED, PBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
 }
 
 void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int I, int O, int threads) {
-    gemm_packed(PACKED_BF16, x, wp, y, M, I, O, threads);
+    gemm(PACKED_BF16, PBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
 }
 
+/* w [O, I]: BLOCK x rows per pass; the threads' row ranges are multiples of 4 rows (cache lines of the output) */
 void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, int threads) {
-    gemm(BLOCKS, x, w, y, M, I, O, threads);
+    gemm(BLOCKS, BLOCK, O, 4, x, w, y, M, I, O, threads);
 }
 
 /* w: bfloat16 bit patterns */
 void smallm_gemm_bf16(const float *x, const uint16_t *w, float *y, int M, int I, int O, int threads) {
-    gemm(BLOCKS_BF16, x, w, y, M, I, O, threads);
+    gemm(BLOCKS_BF16, BLOCK, O, 4, x, w, y, M, I, O, threads);
 }
