@@ -58,9 +58,11 @@ def test_greedy_speculative_equals_greedy(base, plain, kwargs, sampler):
 @pytest.mark.parametrize("sampler", [dict(gamma=4), TREES[0]])
 def test_draft_model_equal_to_base_is_always_accepted(base, plain, sampler):
     # A copy of every base layer is the base: every draft must be accepted, which pins the private store's slots,
-    # positions and mask, and `observe` re-running only the tail the drafting did not cover.
+    # positions and mask, and `observe` re-running only the tail the drafting did not cover. Bitwise-equal logits
+    # need one product for every row count and the drafter's exact weights: the measured kernels may pick different
+    # ones for the draft's and the verify's rows (another summation order flips near-ties), and bf16 drafting rounds.
     drafter = DraftModel(base, num_layers=3)
-    spec = generate(base, PROMPTS, drafter, replace(CFG, **sampler))
+    spec = generate(base, PROMPTS, drafter, replace(CFG, cpu_kernels="stock", draft_precision="fp32", **sampler))
     assert torch.equal(spec.tokens, plain)
     deepest = 4 if sampler.get("tree", "chain") == "chain" else 3
     assert all(a == deepest for row in spec.accepted for a in row)

@@ -42,11 +42,14 @@ def test_greedy_speculative_equals_greedy(base, plain, skip, sampler):
 def test_no_skip_is_the_base_and_always_accepted(base, plain):
     # Every layer through the base's own store: any slot, position or mask error in the shared store (draft writes,
     # verify overwrites) would show up as a rejection.
+    # (Stock kernels: the measured ones may pick different products for a draft's 1 row and a verify's 5, whose other
+    # summation order can flip a near-tie.)
     drafter = LayerSkip(base, skip_layers=[])
-    spec = generate(base, PROMPTS, drafter, replace(CFG, gamma=4))
+    exact = replace(CFG, gamma=4, cpu_kernels="stock")
+    spec = generate(base, PROMPTS, drafter, exact)
     assert torch.equal(spec.tokens, plain)
     assert all(a == 4 for row in spec.accepted for a in row[:-1])
-    sampled = generate(base, PROMPTS, drafter, replace(CFG, gamma=4, temperature=1.0), torch.Generator().manual_seed(0))
+    sampled = generate(base, PROMPTS, drafter, replace(exact, temperature=1.0), torch.Generator().manual_seed(0))
     assert sum(map(sum, sampled.accepted)) >= 0.95 * sum(map(sum, sampled.drafted))
 
 
