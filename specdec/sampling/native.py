@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -110,23 +111,34 @@ def available() -> bool:
     return _load() is not None
 
 
+def _library() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native kernel was not built on this machine")
+    return lib
+
+
+def _product(kernels: dict[torch.dtype, Callable], x: torch.Tensor, w: torch.Tensor, inputs: int,
+             outputs: int) -> torch.Tensor:
+    """y [M, outputs] = x [M, I] times the operand w (whose dtype picks the kernel; `inputs` its I), checked first."""
+    if x.dtype != torch.float32 or w.dtype not in kernels or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError("the native products take a float32 x and a float32 or bfloat16 weight, on the CPU")
+    x, w = x.contiguous(), w.contiguous()
+    m, i = x.shape
+    if inputs != i:
+        raise ValueError(f"native product: x {tuple(x.shape)} and a weight of {inputs} inputs do not multiply")
+    y = x.new_empty(m, outputs)
+    kernels[w.dtype](x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, outputs, torch.get_num_threads())
+    return y
+
+
 def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, I] · w [O, I]ᵀ -> [M, O], x float32 and w float32 (exact) or bfloat16 (the weights rounded, the sums in
     float32); raises for anything else, off the CPU, or when the library is missing: the kernel table then leaves this
     candidate out."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the native kernel was not built on this machine")
-    kernels = {torch.float32: lib.smallm_gemm, torch.bfloat16: lib.smallm_gemm_bf16}
-    if x.dtype != torch.float32 or w.dtype not in kernels or x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError("small_gemm takes a float32 x and a float32 or bfloat16 w, on the CPU")
-    x, w = x.contiguous(), w.contiguous()
-    m, i = x.shape
-    if w.shape[1] != i:
-        raise ValueError(f"small_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
-    y = x.new_empty(m, w.shape[0])
-    kernels[w.dtype](x.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0], torch.get_num_threads())
-    return y
+    lib = _library()
+    return _product({torch.float32: lib.smallm_gemm, torch.bfloat16: lib.smallm_gemm_bf16}, x, w, w.shape[1],
+                    w.shape[0])
 
 
 @dataclass(frozen=True)
@@ -140,10 +152,7 @@ class Packed:
 
 def pack(w: torch.Tensor) -> Packed:
     """w [O, I] (float32, or bfloat16 for a drafter's rounded copy) -> its packed copy."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the native kernel was not built on this machine")
-    r = lib.smallm_pack_rows()
+    r = _library().smallm_pack_rows()
     o, i = w.shape
     padded = torch.cat([w, w.new_zeros(-o % r, i)]) if o % r else w
     return Packed(padded.reshape(-1, r, i).transpose(1, 2).contiguous(), o)
@@ -151,17 +160,6 @@ def pack(w: torch.Tensor) -> Packed:
 
 def packed_gemm(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """x [M, I] · Wᵀ -> [M, O] from W's packed copy (see `pack`); the same checks as small_gemm."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the native kernel was not built on this machine")
-    kernels = {torch.float32: lib.smallm_packed, torch.bfloat16: lib.smallm_packed_bf16}
-    blocks = w.blocks
-    if x.dtype != torch.float32 or blocks.dtype not in kernels or x.device.type != "cpu" or blocks.device.type != "cpu":
-        raise ValueError("packed_gemm takes a float32 x and a float32 or bfloat16 packed weight, on the CPU")
-    x = x.contiguous()
-    m, i = x.shape
-    if blocks.shape[1] != i:
-        raise ValueError(f"packed_gemm: x {tuple(x.shape)} and a packed weight of {blocks.shape[1]} inputs do not multiply")
-    y = x.new_empty(m, w.out_features)
-    kernels[blocks.dtype](x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, i, w.out_features, torch.get_num_threads())
-    return y
+    lib = _library()
+    return _product({torch.float32: lib.smallm_packed, torch.bfloat16: lib.smallm_packed_bf16}, x, w.blocks,
+                    w.blocks.shape[1], w.out_features)
