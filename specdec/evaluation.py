@@ -76,13 +76,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     items: list[dict] = hydra.utils.instantiate(cfg.prompts)
     methods = _methods(cfg, base, drafters, sampler)
 
-    # Each method's runs are kept as soon as it finishes: a killed evaluation rerun into the same dir resumes
-    # after the last finished method and runs none of them again.
+    # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
+    # dir reads them back and runs only what is missing.
     runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns
     resumed = [] if cfg.overwrite else [m.name for m in methods if _load_method(out_dir, m.name, config, runs)]
     if resumed:
-        print(f"[specdec] resuming {out_dir}: {', '.join(resumed)} finished earlier, not run again")
-    todo = [m for m in methods if m.name not in resumed]
+        print(f"[specdec] resuming {out_dir}: " + ", ".join(f"{n} ({len(runs[n])}/{len(items)} prompts)"
+                                                          for n in resumed) + " read back, not run again")
+    todo = [m for m in methods if len(runs[m.name]) < len(items)]
 
     if cfg.warmup:  # compile, allocator and cache warm-up stay out of the timings
         first = render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
@@ -97,11 +98,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     costs = forward_costs(base, [1, *sorted(sizes)], prompt_len=prompt_len,
                           cpu_kernels=sampler.cpu_kernels, lean=sampler.lean) if gammas else {}
 
-    for m in todo:
-        for start in tqdm(range(0, len(items), m.batch), desc=m.name, unit="prompt", leave=False):
-            chunk = items[start : start + m.batch]
-            runs[m.name].extend(_answer_turn_by_turn(base, m, chunk))
-        _save_method(out_dir, m.name, config, runs[m.name])
+    _take_turns(base, items, todo, runs, lambda m: _save_method(out_dir, m.name, config, runs[m.name]))
 
     report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs)
     report["config"] = config
@@ -183,6 +180,29 @@ def _hf(base: Base, sampler: SamplerConfig, extra: dict) -> Callable:
         return out
 
     return run
+
+
+def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict[str, list[list[Run]]],
+                saved: Callable[[Method], None]) -> None:
+    """Run every method on every prompt it has not answered yet (runs[name] holds the answered ones, in order),
+    taking turns: each method answers its next chunk of prompts before any method answers a later one, the order of
+    the methods rotating from turn to turn. On a noisy machine a slow phase then falls on all methods alike, not on
+    whichever method's block of prompts it hits (one that slowed our AR loop on 4 of 10 prompts made every drafter
+    read ~30 % faster against it). `saved(m)` follows each chunk."""
+    pending = [m for m in methods if len(runs[m.name]) < len(items)]
+    left = sum(-(-(len(items) - len(runs[m.name])) // m.batch) for m in pending)
+    with tqdm(total=left, unit="chunk", desc="methods x prompts", leave=False) as bar:
+        turn = 0
+        while pending:
+            k = turn % len(pending)
+            for m in pending[k:] + pending[:k]:
+                start = len(runs[m.name])
+                runs[m.name].extend(_answer_turn_by_turn(base, m, items[start : start + m.batch]))
+                saved(m)
+                bar.set_postfix_str(m.name)
+                bar.update()
+            pending = [m for m in pending if len(runs[m.name]) < len(items)]
+            turn += 1
 
 
 def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[Run]]:
@@ -451,7 +471,8 @@ def _save_method(out_dir: Path, name: str, config: dict, runs: list[list[Run]]) 
 
 
 def _load_method(out_dir: Path, name: str, config: dict, runs: dict[str, list[list[Run]]]) -> bool:
-    """Fill runs[name] from an earlier, interrupted evaluation of the same config; False if there is none."""
+    """Fill runs[name] with the prompts (in order) an earlier, interrupted evaluation of the same config answered;
+    False if there is none."""
     path = _method_path(out_dir, name)
     if not path.exists():
         return False

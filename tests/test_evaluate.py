@@ -87,7 +87,7 @@ def test_refuses_drafter_of_another_base(tmp_path, questions):
         evaluate(cfg)
 
 
-def test_a_killed_evaluation_resumes_after_its_finished_methods(tmp_path, questions, monkeypatch):
+def test_methods_take_turns_and_a_killed_evaluation_resumes_where_it_stopped(tmp_path, questions, monkeypatch):
     import specdec.evaluation as ev
 
     tiny = tiny_base()
@@ -95,25 +95,30 @@ def test_a_killed_evaluation_resumes_after_its_finished_methods(tmp_path, questi
     cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
                           "peers=[hf_generate]", "sampler.gamma=2", "sampler.eos_token_id=[]", "warmup=false"])
     real = ev._answer_turn_by_turn
+    prompt_no = {"def add(a, b):": 1, "print hello": 2, "a haiku about CPUs": 3}  # by first turn
+    calls, killed = [], [True]  # calls: (method, prompt) in the order they ran
 
-    def dies_on_hf(base, m, chunk):  # the process is killed while the third method runs
-        if m.name == "hf_generate":
+    def record(base, m, chunk):  # the first process is killed when hf_generate starts its second prompt
+        if killed[0] and m.name == "hf_generate" and ("hf_generate", 1) in calls:
             raise KeyboardInterrupt
+        calls.append((m.name, prompt_no[chunk[0]["turns"][0]]))
         return real(base, m, chunk)
 
-    monkeypatch.setattr(ev, "_answer_turn_by_turn", dies_on_hf)
+    monkeypatch.setattr(ev, "_answer_turn_by_turn", record)
     with pytest.raises(KeyboardInterrupt):
         evaluate(cfg)
-    saved = sorted(p.name for p in (tmp_path / "eval" / "methods").iterdir())
-    assert saved == ["ar_ours_.json", "medusa.json"] and not (tmp_path / "eval" / "results.json").exists()
+    # every method answered prompt 1 before any answered prompt 2, the order rotating from turn to turn
+    assert calls == [("ar (ours)", 1), ("medusa", 1), ("hf_generate", 1), ("medusa", 2)]
+    assert not (tmp_path / "eval" / "results.json").exists()
 
-    ran = []
-    monkeypatch.setattr(ev, "_answer_turn_by_turn", lambda base, m, chunk: ran.append(m.name) or real(base, m, chunk))
+    killed[0] = False
     report = evaluate(cfg)
-    assert set(ran) == {"hf_generate"}  # the finished methods were read back, not run again
-    assert report["header"]["resumed"] == ["ar (ours)", "medusa"]
+    # each answered prompt was kept as it finished and read back: no (method, prompt) ran twice, none is missing
+    assert sorted(calls) == sorted((m, q) for m in ("ar (ours)", "medusa", "hf_generate") for q in (1, 2, 3))
+    assert set(report["header"]["resumed"]) == {"ar (ours)", "medusa", "hf_generate"}
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["medusa"]["greedy_identical"] and rows["hf_generate"]["greedy_identical"]
+    assert rows["ar (ours)"]["tokens"] == rows["hf_generate"]["tokens"] == 4 * 12  # all 4 turns of the 3 prompts
 
 
 def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, questions, monkeypatch):
