@@ -1,6 +1,6 @@
 """W1: every drafter on HumanEval and on a non-code question.jsonl, chain γ=4 and dynamic tree, with the peers, into
 experiments/results/w1/w1.{csv,md}. Either runs the evaluations for the given drafters (each resumable: a killed run
-continues after its finished methods), or collects the runs of the `drafters` table, whose evaluation is this
+runs only the prompts its methods had not answered), or collects the runs of the `drafters` table, whose evaluation is this
 protocol for its four trained families:
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/w1.py --from logs/experiments/drafters/eval
@@ -18,7 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "question")  # configs/prompts/<set>.yaml
-TREES = {"chain": ["sampler=chain", "sampler.gamma=4"], "dynamic_tree": ["sampler=dynamic_tree"]}
+# The dynamic tree as the `drafters` table draws it (configs/experiment/drafters/eval.yaml): within 11 draft nodes
+TREES = {"chain": ["sampler=chain", "sampler.gamma=4"],
+         "dynamic_tree": ["sampler=dynamic_tree", "sampler.dynamic_topk=3", "sampler.dynamic_budget=11"]}
 COLUMNS = ["method", "prompts", "tree", "tau", "alpha", "tok_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical",
            "break_even_tau", "predicted_speedup", "predicted_from_measured_tau"]
 
