@@ -515,7 +515,8 @@ def _draft_desc(s: SamplerConfig) -> str:
     elif s.tree == "static":
         desc = f"static tree ({len(s.paths or [])} paths)"
     else:
-        desc = f"dynamic tree (depth {s.dynamic_depth}, top-{s.dynamic_topk}, budget {s.dynamic_budget})"
+        budget = f"budget by verify cost, at most {s.dynamic_budget}" if s.dynamic_by_cost else f"budget {s.dynamic_budget}"
+        desc = f"dynamic tree (depth {s.dynamic_depth}, top-{s.dynamic_topk}, {budget})"
     if s.lookup_tokens:
         desc += (f"; +lookup rows: n-gram lookup ({s.lookup_min_ngram}-{s.lookup_max_ngram}-grams, up to "
                  f"{s.lookup_tokens} tokens) takes the rounds it matches")

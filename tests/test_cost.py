@@ -4,6 +4,8 @@ import pytest
 
 import random
 
+import torch
+
 from specdec.sampling.cost import chain_tau, forward_costs, predicted_speedup, verify_curve
 from specdec.sampling.metrics import token_acceptance
 
@@ -41,3 +43,31 @@ def test_token_acceptance_recovers_leviathans_alpha(gamma):
     if gamma > 1:  # the rate counts the untried tokens after a rejection as failures
         assert sum(accepted) / sum(drafted) < alpha - 0.05
     assert token_acceptance([gamma] * 5, [gamma] * 5) == 1.0  # nothing rejected
+
+
+def test_cost_budget_keeps_the_nodes_that_pay_for_their_verify():
+    from specdec.sampling.trees import cost_budget
+
+    p = torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05])  # path probabilities, best first
+    flat = [0.0] + [1.0] * 10  # v(n) for n = 0..10: a GPU-like curve, every node is free
+    assert cost_budget(p, flat, 16) == 5 and cost_budget(p, flat, 3) == 3  # all of them, up to the budget
+    step = [0.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]  # a new pass over the weights from 5 tokens on
+    # (1 + 0.9 + 0.8 + 0.5) / 1 = 3.2 with 3 nodes; a 4th would make it 3.3 / 1.5
+    assert cost_budget(p, step, 16) == 3
+    assert cost_budget(torch.tensor([0.99] * 8), step, 16) == 8  # confident nodes pay for the step: 8.92/1.5 > 3.97
+
+
+def test_verify_costs_measures_once_per_base_and_charges_the_next_measured_size(tiny, monkeypatch):
+    import specdec.sampling.cost as cost
+
+    asked = []
+
+    def linear(base, ns, **kw):  # T_n = n
+        asked.append(list(ns))
+        return {n: float(n) for n in ns}
+
+    monkeypatch.setattr(cost, "forward_costs", linear)
+    v = cost.verify_costs(tiny, 30)
+    assert asked == [[*range(1, 17), 20, 24, 28, 30]]  # every size up to 16, every 4th beyond
+    assert v[:3] == [0.0, 1.0, 2.0] and v[16] == 16 and v[17] == 20 and v[29] == 30 and len(v) == 31
+    assert cost.verify_costs(tiny, 12) == v[:13] and len(asked) == 1  # read back, not measured again

@@ -186,3 +186,16 @@ def test_finished_rows_leave_the_batch(base, temperature):
     for b, p in enumerate(prompts):
         alone = generate(base, [p], None, c, [torch.Generator().manual_seed(b)])
         assert batch.tokens[b].tolist() == alone.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("curve, most", [([0.0] + [1.0] * 8, 6),  # flat: every node up to the budget
+                                         ([0.0, 1.0, 1.0, 1.0] + [5.0] * 5, 2)])  # 3 tokens per verify, then a step
+def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, curve, most):
+    import specdec.sampling.decode as decode
+
+    monkeypatch.setattr(decode, "verify_costs", lambda base, n_max, *a: curve[: n_max + 1])
+    kw = dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6, dynamic_by_cost=True)
+    r = generate(base, prompts, Oracle(base), cfg(**kw))
+    assert r.tokens.tolist() == reference(base, prompts)  # lossless whatever the size
+    # the Oracle is confident in its top path only: a flat curve still verifies every node, a step keeps the best 2
+    assert {n for row in r.drafted for n in row} == {most}

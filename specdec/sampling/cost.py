@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -42,6 +43,28 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                 if rep:
                     times[n].append(wall_clock(dev) - t0)
     return {n: statistics.median(t) for n, t in times.items()}
+
+
+# base -> {(cpu_kernels, lean): v(0..n)}: each base's curve, measured once per process
+_CURVES: weakref.WeakKeyDictionary[Base, dict[tuple[str, bool], list[float]]] = weakref.WeakKeyDictionary()
+
+
+def verify_costs(base: Base, n_max: int, cpu_kernels: str = "measured", lean: bool = True) -> list[float]:
+    """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on this machine, measured once per
+    process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every 4th beyond, a size
+    between two measured ones charged the next measured size up (the curve rises in steps: a new pass over the
+    weights every few rows on a CPU)."""
+    curves = _CURVES.setdefault(base, {})
+    have = curves.get((cpu_kernels, lean))
+    if have is not None and len(have) > n_max:
+        return have[: n_max + 1]
+    grid = sorted({*range(1, min(n_max, 16) + 1), *range(20, n_max + 1, 4), n_max})
+    t0 = time.perf_counter()
+    costs = forward_costs(base, grid, reps=5, cpu_kernels=cpu_kernels, lean=lean)
+    print(f"[specdec] verify-cost curve v(1..{n_max}) measured in {time.perf_counter() - t0:.1f} s", flush=True)
+    v = [0.0] + [costs[min(g for g in grid if g >= n)] / costs[1] for n in range(1, n_max + 1)]
+    curves[(cpu_kernels, lean)] = v
+    return v
 
 
 def verify_curve(costs: dict[int, float]) -> dict[int, float]:

@@ -12,7 +12,7 @@ from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.cost import wall_clock
+from specdec.sampling.cost import verify_costs, wall_clock
 from specdec.sampling.kernels import measured_kernels
 from specdec.sampling.lookup import lookup_round, ngram_proposal
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
@@ -29,7 +29,11 @@ class SamplerConfig:
     paths: list[list[int]] | None = None  # static tree: index paths into each depth's top-k
     dynamic_depth: int = 4
     dynamic_topk: int = 4  # nodes expanded per depth, and children proposed per expanded node
-    dynamic_budget: int = 16  # draft nodes verified per round
+    dynamic_budget: int = 16  # draft nodes verified per round (with dynamic_by_cost: at most)
+    # Per round, verify the number of best nodes that maximises the expected tokens per verify cost, from the drafter's
+    # path probabilities and the verify-cost curve measured on this machine (cost.verify_costs, once per process):
+    # trees as large as the machine verifies cheaply, whatever its kernels (trees.cost_budget).
+    dynamic_by_cost: bool = False
     acceptance: str = "rejection"  # at T > 0: rejection (lossless) | typical (lossy, Medusa §3.3.1)
     typical_eps: float = 0.3
     typical_delta: float = 0.09
@@ -160,12 +164,13 @@ class DraftLength:
 
 
 def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cfg: SamplerConfig,
-           uniform: RowUniform, length: DraftLength | None = None) -> Round:
+           uniform: RowUniform, length: DraftLength | None = None, verify_cost: list[float] | None = None) -> Round:
     limit = drafter.max_depth or 1 << 30
     if cfg.tree == "dynamic":
         if cfg.dynamic_depth > limit:
             raise ValueError(f"dynamic_depth {cfg.dynamic_depth} > the drafter's max_depth {limit}")
-        return draft_dynamic(drafter, state, ctx, root, cfg.dynamic_depth, cfg.dynamic_topk, cfg.dynamic_budget)
+        return draft_dynamic(drafter, state, ctx, root, cfg.dynamic_depth, cfg.dynamic_topk, cfg.dynamic_budget,
+                             verify_cost)
     paths = chain_paths(cfg.gamma) if cfg.tree == "chain" else close_paths(cfg.paths or [])
     if max(len(p) for p in paths) > limit:
         raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
@@ -253,12 +258,16 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     drafters = [drafter] if drafter is not None else []
     bf16 = drafters if cfg.draft_precision == "bf16" else []
+    # measured before any timing starts (once per process and base)
+    by_cost = drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost
+    curve = verify_costs(base, cfg.dynamic_budget + 1, cfg.cpu_kernels, cfg.lean) if by_cost else None
     with measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16) if fast else nullcontext():
-        return _generate(base, prompt_ids, drafter, cfg, generator)
+        return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 
 def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, cfg: SamplerConfig,
-              generator: torch.Generator | list[torch.Generator] | None) -> GenerationResult:
+              generator: torch.Generator | list[torch.Generator] | None,
+              verify_cost: list[float] | None = None) -> GenerationResult:
     dev, b = base.device, len(prompt_ids)
     eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -318,7 +327,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         else:
             if length is not None:
                 length.active = torch.tensor([not done[row] for row in rows], device=dev)
-            rnd = _draft(drafter, state, ctx, root, cfg, uniform, length)
+            rnd = _draft(drafter, state, ctx, root, cfg, uniform, length, verify_cost)
         t1 = wall_clock(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]

@@ -182,11 +182,12 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
-                  topk: int, budget: int) -> Round:
+                  topk: int, budget: int, verify_cost: list[float] | None = None) -> Round:
     """EAGLE-2-style: at each depth expand the `topk` best frontier nodes by path confidence (sum of the draft's
     log-probs, averaged over rows since the structure is shared), each proposing its top-`topk` tokens; then keep
     the `budget` best draft nodes. A child never scores above its parent, so the kept set is closed under
-    ancestors (ties resolve to the lower index, which is the parent)."""
+    ancestors (ties resolve to the lower index, which is the parent). With `verify_cost` (v(n) per n query tokens,
+    n = 0..), keep instead the number of best nodes, at most `budget`, that `cost_budget` picks."""
     tree = TreeBuilder(root, 1 + depth * topk * topk)
     score = torch.zeros(1 + depth * topk * topk)  # [capacity] mean path log-prob
     frontier = [0]
@@ -198,8 +199,24 @@ def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
         score[ids] = score[parents] + top.values.mean(0).flatten().cpu()
         order = sorted(ids, key=lambda i: -score[i].item())
         frontier = sorted(order[:topk])
-    draft = sorted(range(1, tree.size), key=lambda i: (-score[i].item(), i))[:budget]
-    return tree.finish([0] + sorted(draft))
+    ranked = sorted(range(1, tree.size), key=lambda i: (-score[i].item(), i))
+    if verify_cost is not None:
+        budget = cost_budget(score[ranked].exp(), verify_cost, budget)
+    return tree.finish([0] + sorted(ranked[:budget]))
+
+
+def cost_budget(p: torch.Tensor, verify_cost: list[float], most: int) -> int:
+    """How many of a round's best draft nodes to verify: the n ≤ most that maximises the expected tokens per verify
+    cost, (1 + Σ_{i≤n} p_i) / v(n + 1). p [K]: the nodes' path probabilities, best first (a node is accepted only with
+    its whole path, so p_i is its chance to be; with the root's bonus token a round's τ is 1 + their sum); v(n): a
+    verify of n tokens in AR steps. On a flat curve (a GPU) that is every node; where the curve steps up (a CPU's
+    next pass over the weights) only the nodes likely enough to pay for the step."""
+    most = min(most, p.numel(), len(verify_cost) - 2)
+    if most < 1:
+        return 0
+    tau = 1 + p[:most].double().cumsum(0)  # [most] expected τ with the best 1..most nodes
+    value = tau / torch.tensor(verify_cost[2 : most + 2], dtype=torch.float64)
+    return int(value.argmax()) + 1
 
 
 def sample_chain_fn(temperature: float, top_k: int, top_p: float, uniform) -> Callable:
