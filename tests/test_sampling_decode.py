@@ -188,12 +188,13 @@ def test_finished_rows_leave_the_batch(base, temperature):
         assert batch.tokens[b].tolist() == alone.tokens[0].tolist()
 
 
-@pytest.mark.parametrize("curve, most", [([0.0] + [1.0] * 8, 6),  # flat: every node up to the budget
-                                         ([0.0, 1.0, 1.0, 1.0] + [5.0] * 5, 2)])  # 3 tokens per verify, then a step
-def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, curve, most):
+@pytest.mark.parametrize("cost, most", [(lambda rows: 1.0, 6),  # flat: every node up to the budget
+                                        (lambda rows: 1.0 if rows <= 9 else 5.0, 2)])  # a step past 9 rows
+def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, cost, most):
     import specdec.sampling.decode as decode
 
-    monkeypatch.setattr(decode, "verify_costs", lambda base, n_max, *a: curve[: n_max + 1])
+    # v by the rows a verify multiplies: the batch's 3 rows verify 3 tokens each within the step's 9 rows
+    monkeypatch.setattr(decode, "verify_costs", lambda base, n_max, *a: [0.0] + [cost(r) for r in range(1, n_max + 1)])
     kw = dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6, dynamic_by_cost=True)
     r = generate(base, prompts, Oracle(base), cfg(**kw))
     assert r.tokens.tolist() == reference(base, prompts)  # lossless whatever the size

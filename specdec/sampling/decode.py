@@ -258,9 +258,11 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     drafters = [drafter] if drafter is not None else []
     bf16 = drafters if cfg.draft_precision == "bf16" else []
-    # measured before any timing starts (once per process and base)
-    by_cost = drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost
-    curve = verify_costs(base, cfg.dynamic_budget + 1, cfg.cpu_kernels, cfg.lean) if by_cost else None
+    curve = None
+    if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
+        b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
+        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean)
+        curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
     with measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16) if fast else nullcontext():
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
