@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "question")  # configs/prompts/<set>.yaml
 # The dynamic tree as the `drafters` table draws it (configs/experiment/drafters/eval.yaml): within 11 draft nodes
 TREES = {"chain": ["sampler=chain", "sampler.gamma=4"],
-         "dynamic_tree": ["sampler=dynamic_tree", "sampler.dynamic_topk=3", "sampler.dynamic_budget=11"]}
+         "dynamic_tree": ["sampler=dynamic_tree", "sampler.dynamic_topk=3", "sampler.dynamic_budget=11",
+                          "sampler.dynamic_by_cost=false"]}
 COLUMNS = ["method", "prompts", "tree", "tau", "alpha", "tok_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical",
            "break_even_tau", "predicted_speedup", "predicted_from_measured_tau"]
 
