@@ -3,6 +3,7 @@
 import pytest
 
 import random
+import weakref
 
 import torch
 
@@ -67,6 +68,7 @@ def test_verify_costs_measures_once_per_base_and_charges_the_next_measured_size(
         return {n: float(n) for n in ns}
 
     monkeypatch.setattr(cost, "forward_costs", linear)
+    monkeypatch.setattr(cost, "_CURVES", weakref.WeakKeyDictionary())  # no curve another test measured
     v = cost.verify_costs(tiny, 30)
     assert asked == [[*range(1, 17), 20, 24, 28, 30]]  # every size up to 16, every 4th beyond
     assert v[:3] == [0.0, 1.0, 2.0] and v[16] == 16 and v[17] == 20 and v[29] == 30 and len(v) == 31

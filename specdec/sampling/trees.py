@@ -212,8 +212,6 @@ def cost_budget(p: torch.Tensor, verify_cost: list[float], most: int) -> int:
     verify of n tokens in AR steps. On a flat curve (a GPU) that is every node; where the curve steps up (a CPU's
     next pass over the weights) only the nodes likely enough to pay for the step."""
     most = min(most, p.numel(), len(verify_cost) - 2)
-    if most < 1:
-        return 0
     tau = 1 + p[:most].double().cumsum(0)  # [most] expected τ with the best 1..most nodes
     value = tau / torch.tensor(verify_cost[2 : most + 2], dtype=torch.float64)
     return int(value.argmax()) + 1
