@@ -124,10 +124,22 @@ def test_family_draft_vocab_greedy_identity_and_checkpoint(tiny, tmp_path, famil
     if own:  # the trainable projection covers the draft vocab only
         assert all(lm.weight.shape[0] == len(tokens) for lm in d.vocab_heads())
     prompts = [[5, 9, 33, 120], [7, 8]]
+    widths = []  # expand's draft logits cover the draft vocab only; the sampler maps its picks to base ids
+    expand = d.expand
+
+    def recording(*args, **kwargs):
+        logits = expand(*args, **kwargs)
+        widths.append(logits.shape[-1])
+        return logits
+
+    d.expand = recording
     for cfg in (SamplerConfig(max_new_tokens=10, eos_token_id=[], gamma=3),
                 SamplerConfig(max_new_tokens=10, eos_token_id=[], tree="dynamic", dynamic_depth=3)):
         ref = generate(tiny, prompts, None, cfg).tokens
         assert torch.equal(generate(tiny, prompts, d.eval(), cfg).tokens, ref)
+    assert widths and set(widths) == {len(tokens)}
+    assert d.token_ids(torch.tensor([[0, 3]])).tolist() == [[0, 6]]  # draft index i is the base's token 2i here
+    del d.expand
     # the frozen draft-vocab projection is rebuilt from the saved tokens on load, never saved itself
     save_drafter(d, tmp_path / "d")
     loaded = load_drafter(tmp_path / "d", tiny)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.sampling import verify
-from specdec.sampling.trees import close_paths, tree_from_accuracies
+from specdec.sampling.trees import close_paths, static_tree, tree_from_accuracies
 
 V, GAMMA, T = 3, 2, 3  # vocabulary, draft length, emitted tokens compared
 
@@ -172,3 +172,19 @@ def test_tree_from_accuracies():
     assert paths == close_paths(paths) and len(paths) == 5
     assert paths[:2] == [(0,), (1,)] and (0, 0) in paths and (0, 0, 0) in paths  # .8, .48, .24 beat .1·.6
     assert all(p[:-1] in paths or len(p) == 1 for p in paths)
+
+
+def test_static_tree_layout():
+    """A static tree's structure, made once per shape: node i+1 is the i-th closed path, each level expands the
+    parents of that depth's children and places each child at its parent's rank."""
+    tree = static_tree(((1, 0), (0,), (0, 1)))  # closed: (0,), (1,), (0, 1), (1, 0)
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2] and tree.depth.tolist() == [0, 1, 1, 2, 2]
+    assert tree.ancestors.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                       [1, 0, 1, 0, 1]]
+    first, second = tree.levels
+    assert first.frontier.tolist() == [0] and first.kids.tolist() == [1, 2] and first.rank.tolist() == [0, 1]
+    assert first.top == 2 and first.parent_pos.tolist() == [0, 0]
+    assert second.frontier.tolist() == [1, 2] and second.parents.tolist() == [0, 0] and second.kids.tolist() == [3, 4]
+    assert second.parent_pos.tolist() == [0, 1] and second.rank.tolist() == [1, 0] and second.top == 2
+    assert torch.equal(second.visible, tree.ancestors[[1, 2]]) and second.frontier_depth.tolist() == [1, 1]
+    assert static_tree(((1, 0), (0,), (0, 1))) is tree  # made once

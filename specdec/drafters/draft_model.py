@@ -105,7 +105,7 @@ class DraftModel(Drafter):
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:
         h = ctx.run_model(self.lm.model, tokens, STORE)  # [B, N, H']
-        return self.full_vocab(self._logits(h))  # [B, N, V]
+        return self._logits(h)  # [B, N, V_d]
 
 
 class FullVocabHead(nn.Module):

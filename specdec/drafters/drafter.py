@@ -100,8 +100,12 @@ class Drafter(nn.Module):
         return self.base.lm_head(z) if self.draft_vocab is None else self.draft_vocab.head(z)
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [..., V_d] -> [..., V] for the sampler (−inf off the draft vocab)."""
+        """Draft logits [..., V_d] -> [..., V] (−inf off the draft vocab): what the sampler samples from."""
         return logits if self.draft_vocab is None else self.draft_vocab.to_base(logits)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft logits [...] -> base token ids [...] (the same without a draft vocab)."""
+        return index if self.draft_vocab is None else self.draft_vocab.tokens[index]
 
     # -- training ----------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
@@ -137,11 +141,13 @@ class Drafter(nn.Module):
         self, state: Any, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
         nodes: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, N, V] for the children of N frontier nodes at `depth` (0 = the root). tokens [B, N] are
-        the nodes' tokens, nodes [N] their node indices in the round (root = 0; the sampler numbers every
-        node, unexpanded leaves included), parents [N] their parents' node indices (-1 for the root); the
-        tree shape is shared by all rows. Raw logits: the sampler applies temperature/top-k/top-p to them and
-        samples or picks top-k, so the reported q and the drafted token always agree."""
+        """Draft logits [B, N, V_d] for the children of N frontier nodes at `depth` (0 = the root), over the
+        drafter's draft vocab (V_d = V without one). tokens [B, N] are the nodes' tokens, nodes [N] their node
+        indices in the round (root = 0; the sampler numbers every node, unexpanded leaves included), parents [N]
+        their parents' node indices (-1 for the root); the tree shape is shared by all rows. Raw logits: the
+        sampler picks top-k among them and maps the picks with `token_ids` (a top-k over V_d, not over V with −inf
+        almost everywhere), or samples from `full_vocab` of them after temperature/top-k/top-p, so the reported q
+        and the drafted token always agree."""
         raise NotImplementedError
 
     # -- drafters with nothing to train by gradient ---------------------------------------------

@@ -159,4 +159,4 @@ class EarlyExit(Drafter):
         head = self.exits[0]
         if len(head.blocks):
             h = ctx.run_layers(head.blocks, h, store=STORE)
-        return self.full_vocab(self.head_logits(0, h))  # [B, N, V]
+        return self.head_logits(0, h)  # [B, N, V_d]

@@ -101,4 +101,4 @@ class Hydra(Drafter):
         state["paths"].put(paths, nodes)
         emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
-        return self.full_vocab(self.head_logits(self.heads[depth](h, emb), depth))  # [B, N, V]
+        return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]

@@ -99,7 +99,7 @@ class LayerSkip(Drafter):
         h = self.base.embed_tokens(tokens)  # [B, N, H]
         if self._frozen["layers"]:
             h = ctx.run_layers(self._frozen["layers"], h, store="base")
-        return self.full_vocab(self.project(self.base.norm(h)))  # [B, N, V]
+        return self.project(self.base.norm(h))  # [B, N, V_d]
 
     # -- the skip-set search -------------------------------------------------------------------------------------
     def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None]

@@ -63,11 +63,10 @@ class Medusa(Drafter):
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
         h = feats.hidden[LAST]  # [B, n, H]
         last = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
-        logits = self.head_logits(last)  # [B, K, V_d]
-        state["logits"] = self.full_vocab(logits)  # [B, K, V]
+        state["logits"] = self.head_logits(last)  # [B, K, V_d]
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:
-        logits = state["logits"][:, depth]  # [B, V]
-        return logits[:, None].expand(-1, tokens.shape[1], -1)  # [B, N, V]
+        logits = state["logits"][:, depth]  # [B, V_d]
+        return logits[:, None].expand(-1, tokens.shape[1], -1)  # [B, N, V_d]
 

@@ -220,9 +220,9 @@ class Prophet(Drafter):
             # the parents' predicted features with the nodes' tokens
             x = self.step_input(state["hats"].get(parents), self.base.embed_tokens(tokens))  # [B, N, H]
             out = ctx.run_layers(self.blocks, x, STORE, POSITION_OFFSET)
-        hat, logits = self.readout(out)  # [B, N, H], [B, N, V]
+        hat, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
         state["hats"].put(hat, nodes)
-        return self.full_vocab(logits)  # [B, N, V]
+        return logits
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ passes one `parents` for all rows); only the tokens differ per row."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -48,7 +49,8 @@ def tree_from_accuracies(accuracy: Sequence[Sequence[float]], num_nodes: int) ->
 
 @dataclass
 class Round:
-    """The draft tree of one round; node 0 is the root. Draft nodes keep the indices they were drafted at."""
+    """The draft tree of one round; node 0 is the root. Draft nodes keep the indices they were drafted at. The
+    structure tensors (parents, depth, ancestors) of a static tree are shared by every round: read them only."""
 
     tokens: torch.Tensor  # [B, N]
     parents: torch.Tensor  # [N] (CPU), -1 for the root
@@ -86,7 +88,8 @@ class Round:
 
 
 class TreeBuilder:
-    """Grows a round's tree node by node; `expand` runs the drafter on a frontier in the matching layout."""
+    """Grows a round's tree node by node (dynamic trees; a static one is laid out once, `static_tree`); `expand` runs
+    the drafter on a frontier in the matching layout."""
 
     def __init__(self, root: torch.Tensor, capacity: int):
         b = root.shape[0]
@@ -95,48 +98,89 @@ class TreeBuilder:
         self.parents, self.depth = [-1], [0]
         self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool)
         self.ancestors[0, 0] = True
-        self.q: list[torch.Tensor | None] = [None]
 
     @property
     def size(self) -> int:
         return len(self.parents)
 
-    def add(self, parents: list[int], tokens: torch.Tensor, q: torch.Tensor | None = None) -> list[int]:
-        """Register children of `parents` with tokens [B, k] (q [B, k, V] if they were sampled)."""
+    def add(self, parents: list[int], tokens: torch.Tensor) -> list[int]:
+        """Register children of `parents` with tokens [B, k]."""
         ids = list(range(self.size, self.size + len(parents)))
         self.tokens[:, ids] = tokens
-        for j, (i, p) in enumerate(zip(ids, parents)):
+        for i, p in zip(ids, parents):
             self.parents.append(p)
             self.depth.append(self.depth[p] + 1)
             self.ancestors[i] = self.ancestors[p]
             self.ancestors[i, i] = True
-            self.q.append(None if q is None else q[:, j])
         return ids
 
     def expand(self, drafter: Drafter, state: Any, ctx: SamplingContext, frontier: list[int]) -> torch.Tensor:
-        """Children logits [B, F, V] of the frontier nodes (all at one depth)."""
+        """Children draft logits [B, F, V_d] of the frontier nodes (all at one depth), over the drafter's draft vocab."""
         f = torch.tensor(frontier)
         depth = self.depth[frontier[0]]
         ctx.tree_layout(f, torch.full_like(f, depth), self.ancestors[f])
         parents = torch.tensor([self.parents[i] for i in frontier])
         return drafter.expand(state, ctx, self.tokens[:, frontier], parents, depth, f)
 
-    def finish(self, keep: list[int] | None = None, limit: torch.Tensor | None = None) -> Round:
-        keep = list(range(self.size)) if keep is None else keep
+    def finish(self, keep: list[int]) -> Round:
+        """The round of the nodes `keep` (closed under ancestors, root first), renumbered in that order."""
         remap = {old: new for new, old in enumerate(keep)}
         k = torch.tensor(keep)
-        q = None if self.q[-1] is None or len(keep) == 1 else torch.stack(
-            [self.q[i] if self.q[i] is not None else torch.zeros_like(self.q[-1]) for i in keep], 1
-        )
         return Round(
             tokens=self.tokens[:, keep],
             parents=torch.tensor([remap.get(self.parents[i], -1) for i in keep]),
             depth=torch.tensor([self.depth[i] for i in keep]),
             ancestors=self.ancestors[k][:, k],
             draft_slots=k,
-            q=q,
-            limit=limit,
         )
+
+
+@dataclass(frozen=True)
+class Level:
+    """One depth of a static tree: the frontier nodes it expands and where their children go (CPU tensors)."""
+
+    depth: int
+    frontier: torch.Tensor  # [F] node ids expanded at this depth
+    frontier_depth: torch.Tensor  # [F] all `depth`
+    parents: torch.Tensor  # [F] the frontier nodes' parents
+    visible: torch.Tensor  # [F, N] bool, each frontier node's ancestors-or-self
+    kids: torch.Tensor  # [K] node ids of the children
+    parent_pos: torch.Tensor  # [K] each child's parent's index in `frontier`
+    rank: torch.Tensor  # [K] each child's rank among its parent's draft top-k
+    top: int  # the top-k this depth needs
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A static tree's structure, the same every round: node i+1 is paths[i] (closed, by depth), node 0 the root."""
+
+    parents: torch.Tensor  # [N]
+    depth: torch.Tensor  # [N]
+    ancestors: torch.Tensor  # [N, N] bool, ancestor-or-self
+    levels: tuple[Level, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def static_tree(paths: tuple[Path, ...]) -> StaticTree:
+    """The structure of the tree of `paths`, made once per shape (a decode drafts it every round; read-only)."""
+    nodes = [(), *close_paths(paths)]
+    index = {p: i for i, p in enumerate(nodes)}
+    parents = [-1] + [index[p[:-1]] for p in nodes[1:]]
+    ancestors = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+    for i, p in enumerate(nodes):
+        ancestors[i, [index[p[:d]] for d in range(len(p) + 1)]] = True
+    levels = []
+    for d in range(max(len(p) for p in nodes)):
+        kids = [p for p in nodes if len(p) == d + 1]
+        frontier = sorted({index[p[:-1]] for p in kids})
+        pos = {node: j for j, node in enumerate(frontier)}
+        levels.append(Level(
+            depth=d, frontier=torch.tensor(frontier), frontier_depth=torch.full((len(frontier),), d),
+            parents=torch.tensor([parents[i] for i in frontier]), visible=ancestors[frontier],
+            kids=torch.tensor([index[p] for p in kids]), parent_pos=torch.tensor([pos[index[p[:-1]]] for p in kids]),
+            rank=torch.tensor([p[-1] for p in kids]), top=max(p[-1] for p in kids) + 1,
+        ))
+    return StaticTree(torch.tensor(parents), torch.tensor([len(p) for p in nodes]), ancestors, tuple(levels))
 
 
 def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, paths: list[Path],
@@ -149,36 +193,41 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
     softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
     the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification."""
-    tree = TreeBuilder(root, len(paths) + 1)
-    node_of: dict[Path, int] = {(): 0}
-    max_depth = max((len(p) for p in paths), default=0)
+    tree = static_tree(tuple(map(tuple, paths)))
+    size = tree.depth.numel()
+    tokens = root.new_zeros(root.shape[0], size)  # [B, N]
+    tokens[:, 0] = root
+    qs = []  # [B, V] per drafted node (sampled chains)
     limit = going = None
     if keep_going is not None:
-        limit = torch.full_like(root, max_depth)  # [B]
+        limit = torch.full_like(root, len(tree.levels))  # [B]
         going = torch.ones_like(root, dtype=torch.bool)  # [B] rows still drafting
-    for d in range(max_depth):
-        kids = [p for p in paths if len(p) == d + 1]
-        frontier = sorted({node_of[p[:-1]] for p in kids})
-        logits = tree.expand(drafter, state, ctx, frontier)  # [B, F, V]
-        pos = {node: j for j, node in enumerate(frontier)}
+    for level in tree.levels:
+        ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
+        logits = drafter.expand(state, ctx, tokens[:, level.frontier], level.parents, level.depth,
+                                level.frontier)  # [B, F, V_d]
         q = None
         if sample_chain is not None:
-            token, q = sample_chain(logits[:, 0])  # [B], [B, V]
-            ids = tree.add([frontier[0]], token[:, None], q[:, None])
+            token, q = sample_chain(drafter.full_vocab(logits[:, 0]))  # [B], [B, V]
+            tokens[:, level.kids] = token[:, None]
+            qs.append(q)
         else:
-            top = logits.topk(max(p[-1] for p in kids) + 1, dim=-1).indices  # [B, F, k]
-            parent_pos = torch.tensor([pos[node_of[p[:-1]]] for p in kids])
-            rank = torch.tensor([p[-1] for p in kids])
-            ids = tree.add([node_of[p[:-1]] for p in kids], top[:, parent_pos, rank])
-        node_of.update(zip(kids, ids))
-        if keep_going is not None and d + 1 < max_depth:
-            probs = q if q is not None else logits[:, 0].float().softmax(-1)  # [B, V]
+            top = drafter.token_ids(logits.topk(level.top, dim=-1).indices)  # [B, F, k]
+            tokens[:, level.kids] = top[:, level.parent_pos, level.rank]
+        if keep_going is not None and level.depth + 1 < len(tree.levels):
+            probs = q if q is not None else logits[:, 0].float().softmax(-1)  # [B, V] or [B, V_d]: the same top-1
             stop = going & ~keep_going(probs.max(-1).values)  # [B] rows whose chain ends at depth d + 1
-            limit = torch.where(stop, d + 1, limit)
+            limit = torch.where(stop, level.depth + 1, limit)
             going = going & ~stop
             if not bool(going.any()):
+                size = int(level.kids.max()) + 1  # nodes are numbered by depth: the deeper ones were never drafted
                 break
-    return tree.finish(limit=limit)
+    return Round(
+        tokens=tokens[:, :size], parents=tree.parents[:size], depth=tree.depth[:size],
+        ancestors=tree.ancestors[:size, :size], draft_slots=torch.arange(size),
+        q=torch.stack([torch.zeros_like(qs[0]), *qs], 1) if qs else None,  # [B, N, V], none for the root
+        limit=limit,
+    )
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
@@ -192,10 +241,10 @@ def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     score = torch.zeros(1 + depth * topk * topk)  # [capacity] mean path log-prob
     frontier = [0]
     for _ in range(depth):
-        logp = tree.expand(drafter, state, ctx, frontier).float().log_softmax(-1)  # [B, F, V]
+        logp = tree.expand(drafter, state, ctx, frontier).float().log_softmax(-1)  # [B, F, V_d]
         top = logp.topk(topk, dim=-1)  # [B, F, k]
         parents = [f for f in frontier for _ in range(topk)]
-        ids = tree.add(parents, top.indices.flatten(1))
+        ids = tree.add(parents, drafter.token_ids(top.indices).flatten(1))
         score[ids] = score[parents] + top.values.mean(0).flatten().cpu()
         order = sorted(ids, key=lambda i: -score[i].item())
         frontier = sorted(order[:topk])
