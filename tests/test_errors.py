@@ -68,6 +68,17 @@ def test_nan_logits_fail_instead_of_emitting_garbage():
     assert "NaN/inf in the base's logits" in _one_line(e)
 
 
+def test_finite_logits_whose_sum_overflows_pass():
+    """The check sums the logits first; a sum that overflows alone (every logit finite) is not a failure."""
+    from specdec.sampling.decode import finite
+
+    big = torch.full((1, 2, 8), 3e38)
+    assert finite(big, "here") is big
+    big[0, 1, 3] = float("inf")
+    with pytest.raises(FloatingPointError):
+        finite(big, "here")
+
+
 def test_malformed_jsonl_reports_line_numbers_or_skips(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"text": "def f(): pass"}\n{"text": "oops"\n\n[1, 2]\n{"text": "x = 1"}\n')

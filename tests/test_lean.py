@@ -142,3 +142,55 @@ def test_rotary_table_and_fused_norm_give_the_hf_numbers_bitwise():
     x = torch.randn(5, 16, generator=g)
     assert torch.equal(_fused_norm(norm)(x), norm(x))
     assert _fused_norm(norm.double()) is norm  # float64: F.rms_norm rounds otherwise, so the norm's own forward
+
+
+@torch.no_grad()
+def test_rotary_table_is_the_modules_own_numbers_or_steps_aside(base):
+    """The context's rotary table gives the base's rotary module's (cos, sin) bitwise at any position it holds
+    (below 0 too: the prophet's shift), lean form included; a rotary whose values depend on the call is not looked up."""
+    from specdec.sampling.lean import lean_rope
+    from specdec.sampling.rotary import MARGIN, RotaryTable
+
+    like = torch.zeros(1, 1, base.hidden_size)
+    table = RotaryTable(base.rotary_emb, like, 40)
+    assert table.exact and table.covers(-1, 39) and not table.covers(-MARGIN - 1, 3) and not table.covers(0, 40)
+    pos = torch.tensor([[-1, 0, 7, 39], [3, 4, 5, 6]])
+    ref = base.rotary_emb(like, pos)
+    got = table(pos)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert all(torch.equal(a, b) for a, b in zip(table.lean(pos), lean_rope(*ref)))
+
+    half = base.rotary_emb.inv_freq.numel()
+
+    class CallDependent(torch.nn.Module):  # like dynamic scaling: the values depend on the longest position asked
+        def forward(self, x, position_ids):
+            angle = position_ids[..., None].float() / (1 + position_ids.max()) * torch.ones(2 * half)
+            return angle.cos(), angle.sin()
+
+    base.model.model.rotary_emb = CallDependent()
+    ctx = SamplingContext(base, 1, 40)
+    ctx.commit_layout(3)
+    cos, sin = ctx._rotary(like, ctx.positions, 0, hf=True, fast=False)[0]
+    assert not ctx.rope.exact and torch.equal(cos, CallDependent()(like, ctx.positions)[0])  # the module ran itself
+
+
+@torch.no_grad()
+def test_mask_of_rows_at_one_length_is_the_general_mask():
+    """Rows at one committed length share one mask (the fast path); it equals the per-row construction, and a layout
+    whose forward never runs never builds one."""
+    from specdec.sampling.context import _PENDING
+
+    base = tiny_base(num_layers=1)
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    masks = []
+    for lengths in ([5, 5], [5, 6]):  # the second pair takes the general path; row 0 is the same in both
+        ctx = SamplingContext(base, 2, 32)
+        ctx.commit(torch.tensor(lengths), lengths)
+        ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
+        assert ctx._mask is _PENDING  # made on first use
+        masks.append(ctx.mask)
+        assert ctx._mask is masks[-1]
+    fast, general = masks
+    assert fast.shape == (2, 1, 4, 9) and torch.equal(fast[0], fast[1])
+    assert torch.equal(fast[0, :, :, :9], general[0, :, :, :9])
+    assert (fast[0, 0, :, :5] == 0).all() and torch.equal(fast[0, 0, :, 5:] == 0, visible)

@@ -17,6 +17,10 @@ from torch import nn
 from specdec.base import Base
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer, lean, lean_rope
+from specdec.sampling.rotary import RotaryTable
+
+
+_PENDING = object()  # a layout's mask not made yet
 
 
 class SamplingContext:
@@ -30,9 +34,12 @@ class SamplingContext:
         # layout of the current call (set by commit_layout / tree_layout)
         self.slots: torch.Tensor | None = None  # [B, n]
         self.positions: torch.Tensor | None = None  # [B, n]
-        self.mask: torch.Tensor | None = None  # [B, 1, n, W] additive, or None when nothing needs masking
+        self._visible: torch.Tensor | None = None  # [n, r] the round slots each query sees
+        self._mask: torch.Tensor | None | object = None  # see `mask`
         self.width = 0
         self.write_start: int | None = None
+        self.span = (0, 0)  # lowest and highest position of the layout (host ints)
+        self.rope: RotaryTable | None = None  # made on the first forward
 
     # -- layouts -------------------------------------------------------------------------------
     def commit_layout(self, n: int) -> None:
@@ -47,30 +54,45 @@ class SamplingContext:
 
     def _layout(self, rel: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> None:
         dev = self.length.device
-        n = rel.numel()
-        r = int(rel.max()) + 1  # round slots past the last query are never visible: keep them out of the window
-        visible = visible[:, :r]
-        lmax = max(self.length_host)
+        rel_host, depth_host = rel.tolist(), depth.tolist()  # a few ints: host arithmetic beats tensor ops here
+        n = len(rel_host)
+        r = max(rel_host) + 1  # round slots past the last query are never visible: keep them out of the window
+        lmin, lmax = min(self.length_host), max(self.length_host)
         self.width = lmax + r
         if self.width > self.max_len:
             raise RuntimeError(f"KV window {self.width} exceeds the preallocated {self.max_len} slots")
-        rel_d, depth_d = rel.to(dev), depth.to(dev)
-        self.slots = self.length[:, None] + rel_d[None]  # [B, n]
-        self.positions = self.length[:, None] + depth_d[None]  # [B, n]
-        aligned = min(self.length_host) == lmax
-        contiguous = bool((rel == torch.arange(n) + int(rel[0])).all())
-        self.write_start = lmax + int(rel[0]) if aligned and contiguous else None
-        if aligned and n == 1 and bool(visible.all()):
-            self.mask = None  # one query that sees the whole window: sdpa needs no mask
-            return
+        self.slots = self.length[:, None] + rel.to(dev)[None]  # [B, n]
+        self.positions = self.length[:, None] + depth.to(dev)[None]  # [B, n]
+        self.span = (lmin + min(depth_host), lmax + max(depth_host))
+        contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
+        self.write_start = lmax + rel_host[0] if lmin == lmax and contiguous else None
+        self._visible = visible[:, :r]
+        self._mask = _PENDING
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The current layout's additive mask [B, 1, n, W], or None when nothing needs masking. Made on first use: a
+        layout that runs no layers (a drafter whose `observe` only reads features) never pays for it."""
+        if self._mask is _PENDING:
+            self._mask = self._make_mask()
+        return self._mask
+
+    def _make_mask(self) -> torch.Tensor | None:
+        dev, dtype = self.length.device, self.base.dtype
+        visible = self._visible  # [n, r]
+        n, r = visible.shape
+        lmax, neg = self.width - r, torch.finfo(dtype).min
+        if min(self.length_host) == lmax:  # every row at the same length: one mask for all
+            if n == 1 and bool(visible.all()):
+                return None  # one query that sees the whole window: sdpa needs no mask
+            mask = torch.zeros(n, self.width, dtype=dtype, device=dev)
+            mask[:, lmax:].masked_fill_(~visible.to(dev), neg)  # the committed prefix is seen by all
+            return mask.expand(self.length.shape[0], 1, n, self.width)
         key_rel = torch.arange(self.width, device=dev)[None] - self.length[:, None]  # [B, W]
         in_round = (key_rel >= 0) & (key_rel < r)
         seen = visible.to(dev)[:, key_rel.clamp(0, r - 1)].permute(1, 0, 2)  # [B, n, W]
         allowed = (key_rel < 0)[:, None, :] | (in_round[:, None, :] & seen)
-        dtype = self.base.dtype
-        self.mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )[:, None]  # [B, 1, n, W]
+        return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, neg)[:, None]
 
     def _store(self, name: str, start: int = 0) -> SlotCache:
         """The store `name` set up to write the current layout's queries from index `start` on."""
@@ -87,28 +109,38 @@ class SamplingContext:
         self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
     ) -> torch.Tensor:
         """DraftContext.run_layers: HF decoder layers over hidden [B, n, H] in the current layout -> [B, n, H]."""
-        pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
-        return self._run(layers, self._lean(layers), hidden, self._store(store), pos)[0]
+        return self._run(layers, self._lean(layers), hidden, self._store(store), position_offset)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
-             pos: torch.Tensor, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The layers over hidden [B, n, H] (each lean where `fast` has it) -> [B, n, H] and {i: the input of layer
-        i} for i in keep."""
-        rope = self.base.rotary_emb(hidden, pos)  # (cos, sin) [B, n, head_dim]
-        lean_table = lean_rope(*rope) if any(f is not None for f in fast) else None  # once for every lean layer
-        inputs = {}
+             position_offset: int = 0, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The layers over hidden [B, n, H] (each lean where `fast` has it), rotated at the layout's positions +
+        position_offset -> [B, n, H] and {i: the input of layer i} for i in keep."""
+        pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
+        rope, lean_table = self._rotary(hidden, pos, position_offset, any(f is None for f in fast),
+                                        any(f is not None for f in fast))
+        inputs, mask = {}, self.mask
         for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
             if i in keep:
                 inputs[i] = hidden
             if lean_layer is not None:
-                hidden = lean_layer(hidden, lean_table, self.mask, cache)
+                hidden = lean_layer(hidden, lean_table, mask, cache)
                 continue
             out = layer(
-                hidden, attention_mask=self.mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                hidden, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                 position_embeddings=rope,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden, inputs
+
+    def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor, offset: int, hf: bool, fast: bool):
+        """The rotary (cos, sin) [B, n, head_dim] at pos [B, n] for HF layers (if hf) and their `lean_rope` form for
+        lean layers (if fast; made once for all of them), looked up in the context's table where it holds them."""
+        if self.rope is None:
+            self.rope = RotaryTable(self.base.rotary_emb, hidden, self.max_len)
+        if self.rope.covers(self.span[0] + offset, self.span[1] + offset):
+            return self.rope(pos) if hf else None, self.rope.lean(pos) if fast else None
+        rope = self.base.rotary_emb(hidden, pos)
+        return rope, lean_rope(*rope) if fast else None
 
     def _lean(self, layers: Sequence[nn.Module]) -> list[LeanLayer | None]:
         """The lean forward of each layer, None where it runs its own HF forward (lean off, a layer of another
@@ -139,7 +171,7 @@ class SamplingContext:
         if all(f is not None for f in fast):  # the model's forward, embeddings to norm, with every layer lean
             wanted = {l % (n + 1) for l in feature_layers}
             hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), self._store("base"),
-                                       self.positions, keep=wanted - {n})
+                                       keep=wanted - {n})
             hidden = base.norm(hidden)
             return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
         out = base.model.model(

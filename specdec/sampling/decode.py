@@ -217,8 +217,10 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUn
 
 
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
-    """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage."""
-    if not bool(torch.isfinite(logits).all()):
+    """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage. Their sum is finite when
+    every logit is (a few times cheaper to check than each: ~0.3 ms a verify of 5 rows on a 2-core CPU); only a sum
+    that is not (an overflow, or a real NaN) looks at each logit."""
+    if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
                                  f"(try dtype=float32)")
     return logits
