@@ -35,8 +35,10 @@ class RotaryTable:
     def _agrees(self, like: torch.Tensor) -> bool:
         """Whether the module's own calls, one position or a few at a time as decoding makes them, give the table's
         rows bitwise."""
-        half = self.max_len // 2
-        for run in ([0], [self.max_len - 1], [-1, 0, 1, 2, 3], list(range(half, min(half + 7, self.max_len)))):
+        last, half = self.max_len - 1, self.max_len // 2
+        for run in ([0], [last], [p for p in (-1, 0, 1, 2, 3) if p <= last], list(range(half, min(half + 7, last)))):
+            if not run:
+                continue
             pos = torch.tensor([run], device=like.device)  # [1, n]
             cos, sin = self.rotary(like, pos)
             rows = pos[0] + MARGIN
