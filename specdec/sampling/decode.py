@@ -171,7 +171,7 @@ def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cf
             raise ValueError(f"dynamic_depth {cfg.dynamic_depth} > the drafter's max_depth {limit}")
         return draft_dynamic(drafter, state, ctx, root, cfg.dynamic_depth, cfg.dynamic_topk, cfg.dynamic_budget,
                              verify_cost)
-    paths = chain_paths(cfg.gamma) if cfg.tree == "chain" else close_paths(cfg.paths or [])
+    paths = chain_paths(cfg.gamma) if cfg.tree == "chain" else cfg.paths  # static_tree closes them, once per shape
     if max(len(p) for p in paths) > limit:
         raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
     sampled = cfg.tree == "chain" and cfg.temperature > 0

@@ -115,7 +115,7 @@ class TreeBuilder:
         return ids
 
     def expand(self, drafter: Drafter, state: Any, ctx: SamplingContext, frontier: list[int]) -> torch.Tensor:
-        """Children draft logits [B, F, V_d] of the frontier nodes (all at one depth), over the drafter's draft vocab."""
+        """Children draft logits [B, F, V_d] of the frontier nodes (all at one depth), over the draft vocab."""
         f = torch.tensor(frontier)
         depth = self.depth[frontier[0]]
         ctx.tree_layout(f, torch.full_like(f, depth), self.ancestors[f])
@@ -183,12 +183,14 @@ def static_tree(paths: tuple[Path, ...]) -> StaticTree:
     return StaticTree(torch.tensor(parents), torch.tensor([len(p) for p in nodes]), ancestors, tuple(levels))
 
 
-def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, paths: list[Path],
+def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor,
+                 paths: Sequence[Sequence[int]],
                  sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                  keep_going: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Round:
-    """A static tree (chains included): at each depth expand the nodes that have children and take, for the
-    child with path P + (k,), the k-th top token of its parent's draft logits. With `sample_chain` (sampling at
-    T > 0 on a chain) the single child is instead drawn from the post-processed q, which is kept.
+    """A static tree (chains included; `paths` are closed by `static_tree`): at each depth expand the nodes that have
+    children and take, for the child with path P + (k,), the k-th top token of its parent's draft logits. With
+    `sample_chain` (sampling at T > 0 on a chain) the single child is instead drawn from the post-processed q, which
+    is kept.
     With `keep_going` (adaptive draft length, chains only) each row's chain ends after its first token for which
     keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
     softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
