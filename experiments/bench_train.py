@@ -1,11 +1,14 @@
 """Training throughput of a drafter vs the frozen base's forward alone, on the same batches, interleaved in
-one run (these machines are noisy: only the ratio is meaningful).
+one run (these machines are noisy: only the ratio is meaningful). With `precisions=32-true,bf16-mixed` the training
+step runs under each (bf16-mixed: the autocast Lightning's bf16-mixed applies), again interleaved batch by batch.
 
     .venv/bin/python experiments/bench_train.py drafter=medusa [steps=6] [data=cached] [any train.py override ...]
+    .venv/bin/python experiments/bench_train.py experiment=recipe/prophet precisions=32-true,bf16-mixed steps=5
 """
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -19,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str]) -> None:
-    steps = int(next((a.split("=", 1)[1] for a in argv if a.startswith("steps=")), 6))
-    overrides = [a for a in argv if not a.startswith("steps=")]
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(("steps=", "precisions="))}
+    steps = int(opts.get("steps", 6))
+    precisions = opts.get("precisions", "32-true").split(",")
+    overrides = [a for a in argv if not a.startswith(("steps=", "precisions="))]
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=["paths.output_dir=/tmp/specdec-bench", *overrides])
     torch.manual_seed(cfg.seed)
@@ -36,20 +41,24 @@ def main(argv: list[str]) -> None:
     def base_only(batch):  # what a training step pays for the frozen base, whatever the data module
         module._inputs({"input_ids": batch["input_ids"]})
 
-    def train_step(batch):  # with data=cached the batch carries the base's features: the base does not run
-        loss = module._step(batch, "train")
+    def train_step(batch, precision):  # with data=cached the batch carries the base's features: the base does not run
+        cast = (torch.autocast(base.device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext())
+        with cast:
+            loss = module._step(batch, "train")
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t = {"base": 0.0, "train": 0.0}
+    runs = {"base": base_only, **{p: (lambda b, p=p: train_step(b, p)) for p in precisions}}
+    t = dict.fromkeys(runs, 0.0)
     batch = move_data_to_device(next(batches), base.device)
-    base_only(batch), train_step(batch)  # warm-up
+    for fn in runs.values():  # warm-up
+        fn(batch)
     tokens = 0
     for _ in range(steps):
         batch = move_data_to_device(next(batches), base.device)
         ids = batch["input_ids"]
-        for name, fn in (("base", base_only), ("train", train_step)):
+        for name, fn in runs.items():
             t0 = time.perf_counter()
             fn(batch)
             if base.device.type == "cuda":
@@ -57,10 +66,11 @@ def main(argv: list[str]) -> None:
             t[name] += time.perf_counter() - t0
         tokens += ids.numel()
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    print("| drafter | trainable params | base forward tok/s | training tok/s | ratio |")
-    print("|---|---|---|---|---|")
-    print(f"| {cfg.drafter._target_.rsplit('.', 1)[-1]} | {n_train:,} | {tokens / t['base']:.0f} | "
-          f"{tokens / t['train']:.0f} | {t['base'] / t['train']:.2f} |")
+    print("| drafter | trainable params | precision | base forward tok/s | training tok/s | s a step | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for p in precisions:
+        print(f"| {cfg.drafter._target_.rsplit('.', 1)[-1]} | {n_train:,} | {p} | {tokens / t['base']:.0f} | "
+              f"{tokens / t[p]:.0f} | {t[p] / steps:.2f} | {t['base'] / t[p]:.2f} |")
     print(f"({steps} batches of {ids.shape[0]}x{ids.shape[1]} tokens, {torch.get_num_threads()} threads, "
           f"{base.device}, {base.dtype})")
 

@@ -23,6 +23,8 @@ from torchmetrics import MeanMetric
 from specdec.base import Base, Features
 from specdec.checkpoint import save_drafter, write_json
 from specdec.drafters.drafter import Drafter, TrainOutput
+from specdec.losses import topk_kl
+from specdec.precision import AUTO, choose_precision
 from specdec.sweeps import RESULT, ConfigError
 
 
@@ -108,50 +110,49 @@ class DraftTrainer(L.LightningModule):
         Yields (j, loss_j, kl_j, top1_j, accept_j); top1/accept are [B, n] per-position tensors (None unless
         `metrics`). These [B, n, V] passes dominate a step's cost after the matmuls: keep them few and fused."""
         T = input_ids.shape[1]
+        offsets = self.drafter.target_offsets
         dense = targets.logits is not None
         if dense:
             p_logp = F.log_softmax(targets.logits, -1)  # [B, T, V], once for every entry
             p = p_logp.exp()
             neg_entropy = (p * p_logp).sum(-1)  # [B, T] Σ p log p, so KL(p || q) = CE(q; p) + Σ p log p
         else:
-            # top-k targets: the k tokens plus one bucket for the rest of the mass; the KL between these
-            # coarsened distributions is exact when k = V and a lower bound of the full KL otherwise
-            p = targets.top_logp.exp()  # [B, T, k]; 0 for tokens a draft vocab lacks (index −1)
-            rest = (1 - p.sum(-1)).clamp_min(0)  # [B, T]
-            neg_entropy = torch.xlogy(p, p).sum(-1) + torch.xlogy(rest, rest)  # [B, T]
+            # top-k targets: the k tokens plus one bucket for the rest of the mass (specdec/losses.py), every
+            # entry's KL and its gradient in one fused pass over the logits
+            kls = topk_kl(out.logits, targets.top_idx, targets.top_logp, offsets)  # [K]
         # unbind once: slicing entries out of [B, T, K, V] one by one would make autograd zero-fill a full
         # [B, T, K, V] gradient per entry
-        for j, (o, q) in enumerate(zip(self.drafter.target_offsets, out.logits.float().unbind(2))):
+        for j, (o, q) in enumerate(zip(offsets, out.logits.unbind(2))):
             n = T - 1 - o  # positions t with both a target distribution (t+o) and a data label (t+1+o)
             q = q[:, :n]  # [B, n, V] (V = the draft vocab's size when the drafter has one)
-            lse = torch.logsumexp(q, -1)  # [B, n]
             if dense:
+                q = q.float()
                 pt = p[:, o : o + n]  # [B, n, V]
                 # soft-target cross-entropy  lse(q) − Σ_v p·q  as a batched dot: no [B, n, V] temporaries
                 cross = (pt.unsqueeze(-2) @ q.unsqueeze(-1))[..., 0, 0]  # [B, n]
-                kl = lse - cross + neg_entropy[:, o : o + n]  # KL(p || q) [B, n]
+                kl = (torch.logsumexp(q, -1) - cross + neg_entropy[:, o : o + n]).mean()  # KL(p || q)
             else:
-                pt, idx = p[:, o : o + n], targets.top_idx[:, o : o + n]  # [B, n, k]
-                lq = q.gather(-1, idx.clamp_min(0)) - lse.unsqueeze(-1)  # log q of the base's top-k [B, n, k]
-                lq_rest = torch.log((-torch.expm1(torch.logsumexp(lq, -1))).clamp_min(1e-12))  # log q(rest) [B, n]
-                kl = neg_entropy[:, o : o + n] - (pt * lq).sum(-1) - rest[:, o : o + n] * lq_rest
-            loss = self.kl_weight * kl.mean()
+                kl = kls[j]
+            loss = self.kl_weight * kl
             if self.ce_weight:
                 labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
                 if self.drafter.draft_vocab is not None:  # in draft indices; tokens outside it (−1) are skipped
                     labels = self.drafter.draft_vocab.from_base(labels)
-                loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]), labels.reshape(-1),
+                loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]).float(), labels.reshape(-1),
                                                                ignore_index=-1)
             top1 = accept = None
             if metrics:
                 with torch.no_grad():
+                    q = q.float()
                     if dense:
                         top1 = (q.argmax(-1) == targets.logits[:, o : o + n].argmax(-1)).float()
                         accept = torch.minimum(q.softmax(-1), pt).sum(-1)  # Σ_v min(p, q)
                     else:  # Σ over the top-k only: a lower bound of Σ_v min(p, q)
+                        idx = targets.top_idx[:, o : o + n]  # [B, n, k]
                         top1 = (q.argmax(-1) == idx[..., 0]).float()  # −1 (outside a draft vocab) never matches
-                        accept = torch.minimum(lq.exp(), pt).sum(-1)
-            yield j, loss, kl.detach().mean(), top1, accept
+                        lq = q.log_softmax(-1).gather(-1, idx.clamp_min(0))
+                        accept = torch.minimum(lq.exp(), targets.top_logp[:, o : o + n].exp()).sum(-1)
+            yield j, loss, kl.detach(), top1, accept
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         input_ids = batch["input_ids"]
@@ -253,7 +254,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     callbacks.append(SaveDrafter(str(out_dir / "drafter"), config))
     loggers = [hydra.utils.instantiate(c, **_sweep_grouping(c)) for c in (cfg.get("logger") or {}).values()]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    precision = cfg.trainer.get("precision")
+    if precision == AUTO:  # timed on this machine: bf16 autocast where its products are faster, else fp32
+        vocab = drafter.draft_vocab.size if drafter.draft_vocab is not None else base.vocab_size
+        precision, why = choose_precision(_train_device(cfg.trainer), base.hidden_size, vocab)
+        print(f"[specdec] trainer.precision=auto -> {precision}: {why}")
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, precision=precision)
     for lg in loggers:
         lg.log_hyperparams(config)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -272,9 +278,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
         _finish_wandb()
     if trainer.global_rank == 0 and not trainer.interrupted and not trainer.fast_dev_run:
         write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
-                                      "trainable_params": n_train, "global_step": trainer.global_step})
+                                      "trainable_params": n_train, "global_step": trainer.global_step,
+                                      "precision": str(precision)})
     _print_val_table(metrics, drafter.head_names)
     return metrics
+
+
+def _train_device(trainer_cfg: DictConfig) -> str:
+    """The device type Lightning will train on: what trainer.accelerator names, or with "auto" CUDA when present."""
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu" if accelerator in ("cpu", "auto") else accelerator
 
 
 def calibrate(cfg: DictConfig, base: Base, drafter: Drafter, out_dir: Path, config: dict) -> dict[str, float]:

@@ -1,0 +1,59 @@
+"""trainer.precision=auto: bf16 autocast only where it is measured faster, fp32 otherwise and when bf16 fails."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_train
+from specdec import precision
+from specdec.precision import choose_precision
+from specdec.training import train
+
+
+def _timings(monkeypatch, fp32: float, bf16: float | Exception):
+    def fake(dtype, hidden, out, repeats):
+        value = fp32 if dtype == torch.float32 else bf16
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    monkeypatch.setattr(precision, "_time_product", fake)
+
+
+@pytest.mark.parametrize("fp32, bf16, want", [(2.2, 1.0, "bf16-mixed"), (1.0, 1.0, "32-true"), (1.0, 3.0, "32-true"),
+                                              (1.2, 1.0, "32-true")])
+def test_cpu_picks_the_faster(monkeypatch, fp32, bf16, want):
+    _timings(monkeypatch, fp32, bf16)
+    chosen, why = choose_precision("cpu", 64, 128)
+    assert chosen == want and f"{fp32 / bf16:.2f}x" in why
+
+
+def test_falls_back_to_fp32_without_bf16_kernels(monkeypatch):
+    _timings(monkeypatch, 1.0, RuntimeError("no bf16 kernel for this CPU"))
+    chosen, why = choose_precision("cpu", 64, 128)
+    assert chosen == "32-true" and "no bf16 kernel" in why
+
+
+def test_cuda_by_capability(monkeypatch):
+    for supported, want in [(True, "bf16-mixed"), (False, "32-true")]:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert choose_precision("cuda", 64, 128)[0] == want
+
+
+def test_real_timing_returns_a_lightning_precision():
+    assert choose_precision("cpu", 32, 64, repeats=1)[0] in ("bf16-mixed", "32-true")
+
+
+@pytest.mark.parametrize("bf16", [0.5, 2.0])
+def test_train_resolves_auto(monkeypatch, corpus, tmp_path, bf16):
+    _timings(monkeypatch, 1.0, bf16)
+    cfg = compose_train(["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2",
+                         f"data.source.path={corpus}/*.txt", "drafter=medusa", "drafter.num_heads=2",
+                         "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.precision=auto"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["val/expected_tau"] >= 1.0
+    result = json.loads((Path(cfg.paths.output_dir) / "result.json").read_text())
+    assert result["precision"] == ("bf16-mixed" if bf16 == 0.5 else "32-true")
+    assert result["config"]["trainer"]["precision"] == "auto"  # the config as given: a rerun compares equal
