@@ -1,10 +1,11 @@
 """`trainer.precision=auto`: train a drafter in bf16 autocast where this machine multiplies bf16 faster, else in fp32.
 
 A drafter's training step is its products (block, fc, the draft-vocab head, forward and backward) and little else
-once the loss is fused (specdec/losses.py). Whether bf16 pays is a property of the CPU: Zen 4 / Sapphire Rapids run
-bf16 products natively (AVX-512 BF16, AMX) at 2-3x fp32, while a CPU without them emulates bf16 and runs slower than
-fp32. So the choice is timed here, once per run, on the drafter's own head shape, with fp32 as the fallback. The
-frozen base is not touched: its features come from the cache or from its own forward in its own dtype."""
+once the loss is fused (specdec/losses.py). Whether bf16 pays is a property of the CPU: a Zen 4 EPYC (AVX-512 BF16)
+ran these products at 2.2-2.7x fp32, while a CPU without native bf16 instructions converts and may well be slower
+than fp32. So the choice is timed here, once per run (per process: DDP ranks time it each), on the drafter's own
+head shape, with fp32 as the fallback. The frozen base is not touched: its features come from the cache or from its
+own forward in its own dtype."""
 
 from __future__ import annotations
 
