@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MeanMetric
 
-from specdec.base import Base, Features
+from specdec.base import Base, Features, resolve_device
 from specdec.checkpoint import save_drafter, write_json
 from specdec.drafters.drafter import Drafter, TrainOutput
 from specdec.losses import topk_kl
@@ -284,12 +284,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def _train_device(trainer_cfg: DictConfig) -> str:
-    """The device type Lightning will train on: what trainer.accelerator names, or with "auto" CUDA when present."""
+def _train_device(trainer_cfg: DictConfig) -> torch.device:
+    """The device Lightning will train on: what trainer.accelerator names ("gpu" is CUDA), "auto" as the base resolves it."""
     accelerator = str(trainer_cfg.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return "cpu" if accelerator in ("cpu", "auto") else accelerator
+    return resolve_device({"gpu": "cuda"}.get(accelerator, accelerator))
 
 
 def calibrate(cfg: DictConfig, base: Base, drafter: Drafter, out_dir: Path, config: dict) -> dict[str, float]:
