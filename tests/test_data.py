@@ -39,6 +39,18 @@ def test_split_is_by_document(tiny, tmp_path):
     assert val_ids and not any(f"number {i} " in train_text for i in val_ids)
 
 
+def test_split_without_groups_is_a_seeded_permutation_and_groups_stay_whole(tiny):
+    dm = TextDataModule(lambda: None, tiny.tokenizer, val_fraction=0.25, seed=3, cache_dir=None)
+    order = np.random.default_rng(3).permutation(12).tolist()
+    assert dm._split(12, None) == (order[:3], order[3:])  # the split (and packing order) of every earlier cache
+    groups = ["a", "a", "b", "b", "b", "c", "d", "d", "e", "f", "f", "f"]
+    val, train = dm._split(12, groups)
+    assert sorted(val + train) == list(range(12)) and len(val) >= 3
+    assert not {groups[i] for i in val} & {groups[i] for i in train}
+    with pytest.raises(ValueError, match="one group holds all 4 documents"):
+        dm._split(4, ["x"] * 4)
+
+
 def test_cache_is_reused(tiny, corpus, tmp_path):
     src = lambda: sources.text(str(corpus / "*.txt"))  # noqa: E731
     a = _dm(tiny, src, tmp_path)

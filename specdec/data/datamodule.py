@@ -1,5 +1,5 @@
 """Token blocks for drafter training: source rows -> chat-template rendering -> tokenise -> document-level
-train/val split -> pack into fixed-length blocks. The packed result is cached on disk (keyed by the text,
+train/val split (by group, when the source names one) -> pack into fixed-length blocks. The packed result is cached on disk (keyed by the text,
 the tokenizer and the packing settings), so a second run starts in a second."""
 
 from __future__ import annotations
@@ -72,14 +72,14 @@ class TextDataModule(L.LightningDataModule):
     # -- building ----------------------------------------------------------------------------
     def _packed(self) -> DatasetDict:
         ds = self.source()
-        texts = self._texts(ds)
+        texts, groups = self._docs(ds)
         if not texts:
             raise ValueError(f"the training data has no usable rows ({len(ds)} rows, all empty)")
-        key = self._cache_key(texts)
+        key = self._cache_key(texts, groups)
         path = self.cache_dir / key if self.cache_dir else None
         if path is not None and path.exists():
             return load_from_disk(str(path))
-        packed = self._pack_splits(texts)
+        packed = self._pack_splits(texts, groups)
         if path is not None:  # temp dir + rename: an interrupted run never leaves a half-written cache
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=path.parent, prefix=".tmp-")
@@ -91,27 +91,39 @@ class TextDataModule(L.LightningDataModule):
         return packed
 
     def _texts(self, ds: Dataset) -> list[str]:
+        return self._docs(ds)[0]
+
+    def _docs(self, ds: Dataset) -> tuple[list[str], list[str] | None]:
+        """The documents' texts, and their `group` column when the source has one (e.g. the distilled answers'
+        prompt: a greedy and a sampled answer to one prompt share it), else None."""
+        groups = ds["group"] if "group" in ds.column_names else None
         if "messages" in ds.column_names:
             render = lambda m: self.tokenizer.apply_chat_template(m, tokenize=False)  # noqa: E731
-            return [render(m) for m in ds["messages"]]
-        return [t for t in ds["text"] if t and t.strip()]
+            return [render(m) for m in ds["messages"]], groups
+        keep = [i for i, t in enumerate(ds["text"]) if t and t.strip()]
+        texts = ds["text"]
+        return [texts[i] for i in keep], ([groups[i] for i in keep] if groups is not None else None)
 
-    def _cache_key(self, texts: list[str]) -> str:
+    def _cache_key(self, texts: list[str], groups: list[str] | None = None) -> str:
         h = hashlib.sha256()
         for t in texts:
             h.update(hashlib.sha256(t.encode()).digest())
+        if groups is not None:  # (an ungrouped source keeps its key, and so its packed cache)
+            h.update(hashlib.sha256("\0".join(groups).encode()).digest())
         tok = self.tokenizer
         settings = (tok.name_or_path, len(tok), tok.eos_token_id, self.block_size, self.val_fraction,
                     self.max_val_blocks, self.seed)
         h.update(repr(settings).encode())
         return h.hexdigest()[:24]
 
-    def _pack_splits(self, texts: list[str]) -> DatasetDict:
-        # Split by document before packing, so no validation block shares a document with training.
-        order = np.random.default_rng(self.seed).permutation(len(texts))
-        n_val = max(1, round(self.val_fraction * len(texts))) if len(texts) > 1 else 0
-        val_docs = [texts[i] for i in order[:n_val]]
-        train_docs = [texts[i] for i in order[n_val:]] or val_docs
+    def _pack_splits(self, texts: list[str], groups: list[str] | None = None) -> DatasetDict:
+        # Split by document before packing, so no validation block shares a document with training; and by group
+        # where the source names one, so that no validation answer has a sibling answer to its prompt in training
+        # (before, 92 of the 118 validation answers of the completion data had one: a memorised sibling inflated
+        # val τ). Without groups each document is its own group and the split is the one of a plain permutation.
+        val, train = self._split(len(texts), groups)
+        val_docs = [texts[i] for i in val]
+        train_docs = [texts[i] for i in train] or val_docs
         train, val = self._pack(train_docs), self._pack(val_docs)
         if self.max_val_blocks is not None:
             val = val[: self.max_val_blocks]
@@ -120,6 +132,25 @@ class TextDataModule(L.LightningDataModule):
                              f"({len(train)} train / {len(val)} val blocks)")
         return DatasetDict({"train": Dataset.from_dict({"input_ids": train}),
                             "val": Dataset.from_dict({"input_ids": val})})
+
+    def _split(self, n: int, groups: list[str] | None) -> tuple[list[int], list[int]]:
+        """(validation, training) indices of n documents, each in the seeded random order they are packed in: the
+        groups are shuffled and taken whole into validation until it holds round(val_fraction·n) documents (at
+        least one; none of a single document)."""
+        n_val = max(1, round(self.val_fraction * n)) if n > 1 else 0
+        members: dict = {}  # group -> its documents, groups in order of first appearance
+        for i, g in enumerate(groups if groups is not None else range(n)):
+            members.setdefault(g, []).append(i)
+        names = list(members)
+        shuffled = [members[names[j]] for j in np.random.default_rng(self.seed).permutation(len(names))]
+        val, k = [], 0
+        while len(val) < n_val:
+            val += shuffled[k]
+            k += 1
+        train = [i for docs in shuffled[k:] for i in docs]
+        if not train and groups is not None and n > 1:
+            raise ValueError(f"one group holds all {n} documents: nothing is left to train on")
+        return val, train
 
     def _pack(self, docs: list[str]) -> np.ndarray:
         """Concatenate documents, each closed by EOS, and cut into [N, block_size] (the tail is dropped)."""

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from specdec.base import Base
 from specdec.checkpoint import write_json
 from specdec.data.prompts import render_chat
-from specdec.data.stdlib_tasks import task_kind
+from specdec.data.stdlib_tasks import task_group, task_kind
 from specdec.sampling.decode import SamplerConfig
 from specdec.sampling.stream import stream
 
@@ -113,7 +113,8 @@ Paths = str | Path | Sequence[str | Path] | None  # one distilled set, several (
 
 
 def distilled(path: Paths = None, kinds: Sequence[str] | None = None) -> Dataset:
-    """Data-module source: the distilled conversations as `messages` (rendered with the base's chat template).
+    """Data-module source: the distilled conversations as `messages` (rendered with the base's chat template), and
+    each one's `group` (the function it answers about: the train/val split keeps a group on one side).
     `path`: a distill out_dir or a shipped .jsonl.gz, or a list of them (e.g. the greedy and the sampled shipped
     sets); None = the greedy set shipped in the package. `kinds`: keep only the rows of these stdlib_tasks kinds
     (the id's last field, e.g. ["complete"]); None = every row."""
@@ -124,7 +125,7 @@ def distilled(path: Paths = None, kinds: Sequence[str] | None = None) -> Dataset
         ds = ds.filter(lambda i: task_kind(i) in wanted, input_columns="id")
         if not len(ds):
             raise ValueError(f"no distilled rows of kinds {sorted(wanted)} in {', '.join(map(str, paths))}")
-    return ds.select_columns(["messages"])
+    return ds.map(lambda i: {"group": task_group(i)}, input_columns="id").select_columns(["messages", "group"])
 
 
 def check_base(base: Base, path: Paths = None) -> None:

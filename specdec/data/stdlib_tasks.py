@@ -54,6 +54,14 @@ def task_kind(task_id: str) -> str:
     return task_id.rsplit(":", 1)[-1]
 
 
+def task_group(task_id: str) -> str:
+    """The function a row asks about ("json/decoder.py:JSONDecoder.decode:implement" -> "json/decoder.py:
+    JSONDecoder.decode"): every kind of request about it, and every answer to each, greedy or sampled, share it.
+    An id of another form is its own group."""
+    head, _, kind = task_id.rpartition(":")
+    return head if head and kind in TEMPLATES else task_id
+
+
 def _file_tasks(path: Path, rel: str, kinds: Sequence[str]) -> list[tuple[str, str]]:
     """(id, request) pairs for the public documented functions of one file, in source order."""
     text = path.read_text(encoding="utf-8", errors="replace")
