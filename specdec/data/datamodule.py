@@ -1,6 +1,7 @@
 """Token blocks for drafter training: source rows -> chat-template rendering -> tokenise -> document-level
-train/val split (by group, when the source names one) -> pack into fixed-length blocks. The packed result is cached on disk (keyed by the text,
-the tokenizer and the packing settings), so a second run starts in a second."""
+train/val split (whole groups, where the source names them) -> pack into fixed-length blocks. The packed result is
+cached on disk (keyed by the text, the groups, the tokenizer and the packing settings), so a second run starts in a
+second."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ class TextDataModule(L.LightningDataModule):
         if "messages" in ds.column_names:
             render = lambda m: self.tokenizer.apply_chat_template(m, tokenize=False)  # noqa: E731
             return [render(m) for m in ds["messages"]], groups
-        keep = [i for i, t in enumerate(ds["text"]) if t and t.strip()]
         texts = ds["text"]
+        keep = [i for i, t in enumerate(texts) if t and t.strip()]
         return [texts[i] for i in keep], ([groups[i] for i in keep] if groups is not None else None)
 
     def _cache_key(self, texts: list[str], groups: list[str] | None = None) -> str:
@@ -119,8 +120,8 @@ class TextDataModule(L.LightningDataModule):
     def _pack_splits(self, texts: list[str], groups: list[str] | None = None) -> DatasetDict:
         # Split by document before packing, so no validation block shares a document with training; and by group
         # where the source names one, so that no validation answer has a sibling answer to its prompt in training
-        # (before, 92 of the 118 validation answers of the completion data had one: a memorised sibling inflated
-        # val τ). Without groups each document is its own group and the split is the one of a plain permutation.
+        # (before, 92 of the 118 validation answers of the completion data had one, which a drafter may memorise).
+        # Without groups each document is its own group, and the split is the plain permutation it always was.
         val, train = self._split(len(texts), groups)
         val_docs = [texts[i] for i in val]
         train_docs = [texts[i] for i in train] or val_docs
