@@ -197,7 +197,7 @@ def test_distilled_source_keeps_only_the_kinds_asked_for(prompts, tiny, tmp_path
 def test_answers_about_one_function_stay_on_one_side_of_the_split(prompts, tiny, tmp_path):
     """Greedy and sampled answers to one prompt, and the other kinds of request about the same function, share a
     group: a validation answer never has a sibling in training (it did for 92 of 118 in the shipped completion data,
-    and a memorised sibling inflates val τ)."""
+    which a drafter may memorise)."""
     from specdec.data.stdlib_tasks import task_group
 
     assert task_group("json/decoder.py:JSONDecoder.decode:implement") == "json/decoder.py:JSONDecoder.decode"
