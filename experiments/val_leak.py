@@ -45,14 +45,12 @@ def block_flags(base, meta: dict, val_ids: np.ndarray) -> list[bool]:
     texts, groups = dm._docs(ds)
     val, train = dm._split(len(texts), None)  # the old split: every document its own group
     seen = {groups[i] for i in train}
-    ids = base.tokenizer([texts[i] for i in val], add_special_tokens=False)["input_ids"]
-    eos = base.tokenizer.eos_token_id
-    flat = [t for doc in ids for t in (*doc, eos)]
-    owner = [k for k, doc in enumerate(ids) for _ in range(len(doc) + 1)]  # [tokens]: which val answer
-    T = meta["block_size"]
-    rebuilt = np.asarray(flat[: len(val_ids) * T]).reshape(-1, T)
-    if not np.array_equal(rebuilt, val_ids):
+    docs = [texts[i] for i in val]
+    if not np.array_equal(dm._pack(docs)[: len(val_ids)], val_ids):  # the data module's own packing of that split
         raise SystemExit("the cache's validation blocks are not the old split of configs/data/completions.yaml")
+    lengths = [len(d) + 1 for d in base.tokenizer(docs, add_special_tokens=False)["input_ids"]]  # + its EOS
+    owner = np.repeat(np.arange(len(docs)), lengths)  # [tokens]: which validation answer each packed token is from
+    T = meta["block_size"]
     return [any(groups[val[k]] in seen for k in set(owner[b * T : (b + 1) * T])) for b in range(len(val_ids))]
 
 

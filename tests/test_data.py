@@ -72,7 +72,7 @@ def test_chat_rows_render_with_the_chat_template(tiny, tmp_path, form):
     ds = sources.chat(str(p), field=form)
     assert ds[0]["messages"][1] == {"role": "assistant", "content": "hello!"}
     dm = TextDataModule(lambda: ds, tiny.tokenizer, block_size=8, val_fraction=0.25, cache_dir=None)
-    texts = dm._texts(ds)
+    texts, _ = dm._docs(ds)
     assert texts[0] == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\nhello!<|im_end|>\n"
 
 

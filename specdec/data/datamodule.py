@@ -91,9 +91,6 @@ class TextDataModule(L.LightningDataModule):
                 shutil.rmtree(tmp, ignore_errors=True)  # another process cached the same key first
         return packed
 
-    def _texts(self, ds: Dataset) -> list[str]:
-        return self._docs(ds)[0]
-
     def _docs(self, ds: Dataset) -> tuple[list[str], list[str] | None]:
         """The documents' texts, and their `group` column when the source has one (e.g. the distilled answers'
         prompt: a greedy and a sampled answer to one prompt share it), else None."""
