@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
-from specdec.sampling.cost import chain_tau, forward_costs, predicted_speedup
+from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import cpu_model
 from specdec.sampling.metrics import prompt_metrics, token_acceptance
@@ -92,13 +93,24 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8). With an
     # adaptive draft length a round verifies γ_s + 1 ≤ γ + 1 tokens, so every block size up to γ + 1 is measured.
+    # Timed before the methods and again after each of their turns, all timings pooled: T_1, which every cost ratio
+    # divides by, then sees the same phases of a noisy machine as the runs it is compared with (timed only before,
+    # our AR loop's time per token over T_1 read 0.79–1.27 across the jobs of one leviathan table).
     gammas = sorted({m.chain_gamma for m in methods if m.chain_gamma})
     sizes = {n for g in gammas for n in (range(2, g + 2) if sampler.adaptive else [g + 1])}
     prompt_len = len(render_chat(base.tokenizer, [{"role": "user", "content": items[0]["turns"][0]}]))
-    costs = forward_costs(base, [1, *sorted(sizes)], prompt_len=prompt_len,
-                          cpu_kernels=sampler.cpu_kernels, lean=sampler.lean) if gammas else {}
+    cost_times: dict[int, list[float]] = {n: [] for n in [1, *sorted(sizes)]} if gammas else {}
 
-    _take_turns(base, items, todo, runs, lambda m: _save_method(out_dir, m.name, config, runs[m.name]))
+    def time_costs(reps: int) -> None:
+        for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
+                                  cpu_kernels=sampler.cpu_kernels, lean=sampler.lean).items():
+            cost_times[n].extend(t)
+
+    if cost_times:
+        time_costs(reps=5)
+    _take_turns(base, items, todo, runs, lambda m: _save_method(out_dir, m.name, config, runs[m.name]),
+                after_turn=(lambda: time_costs(reps=2)) if cost_times else None)
+    costs = {n: statistics.median(t) for n, t in cost_times.items()}
 
     report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs)
     report["config"] = config
@@ -183,12 +195,12 @@ def _hf(base: Base, sampler: SamplerConfig, extra: dict) -> Callable:
 
 
 def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict[str, list[list[Run]]],
-                saved: Callable[[Method], None]) -> None:
+                saved: Callable[[Method], None], after_turn: Callable[[], None] | None = None) -> None:
     """Run every method on every prompt it has not answered yet (runs[name] holds the answered ones, in order),
     taking turns: each method answers its next chunk of prompts before any method answers a later one, the order of
     the methods rotating from turn to turn. On a noisy machine a slow phase then falls on all methods alike, not on
     whichever method's block of prompts it hits (one that slowed our AR loop on 4 of 10 prompts made every drafter
-    read ~30 % faster against it). `saved(m)` follows each chunk."""
+    read ~30 % faster against it). `saved(m)` follows each chunk, `after_turn()` each turn."""
     pending = [m for m in methods if len(runs[m.name]) < len(items)]
     left = sum(-(-(len(items) - len(runs[m.name])) // m.batch) for m in pending)
     with tqdm(total=left, unit="chunk", desc="methods x prompts", leave=False) as bar:
@@ -203,6 +215,8 @@ def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict
                 bar.update()
             pending = [m for m in pending if len(runs[m.name]) < len(items)]
             turn += 1
+            if after_turn is not None:
+                after_turn()
 
 
 def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[Run]]:

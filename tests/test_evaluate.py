@@ -126,11 +126,11 @@ def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, quest
     and charges the mean of the rounds' own costs, with the mean draft length (not v(γ+1) and γ for every round)."""
     asked = []
 
-    def linear_costs(base, ns, **kwargs):  # T_n = n seconds: then the mean v over rounds is the mean γ_s + 1
-        asked.extend(ns)
-        return {n: float(n) for n in ns}
+    def linear_times(base, ns, **kwargs):  # T_n = n seconds: then the mean v over rounds is the mean γ_s + 1
+        asked.append(list(ns))
+        return {n: [float(n)] * kwargs["reps"] for n in ns}
 
-    monkeypatch.setattr("specdec.evaluation.forward_costs", linear_costs)
+    monkeypatch.setattr("specdec.evaluation.forward_times", linear_times)
     tiny = tiny_base()
     save_drafter(Medusa(tiny, num_heads=3), tmp_path / "medusa")
     cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
@@ -138,7 +138,8 @@ def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, quest
     report = evaluate(cfg)
     row = {r["method"]: r for r in report["rows"]}["medusa"]
     lev = row["leviathan"]
-    assert asked == [1, 2, 3, 4]
+    assert asked[0] == [1, 2, 3, 4] and len(asked) == 1 + 3  # timed before the methods and after each of 3 turns
+    assert all(ns == asked[0] for ns in asked)
     assert row["draft_len"] < 3  # the untrained heads are unconfident: chains end early
     assert lev["verify_cost"] == pytest.approx(row["draft_len"] + 1)
     assert lev["break_even_tau"] == pytest.approx(lev["verify_cost"] + row["draft_len"] * lev["c"])

@@ -16,13 +16,22 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.kernels import KernelTable, measured_kernels
 
 
-@torch.no_grad()
 def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
                   cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None) -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
     included, exactly as the sampler runs it; `cpu_kernels` and `lean` as in SamplerConfig; `table`: the kernel table,
     the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy machine
     hits every n alike."""
+    times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+@torch.no_grad()
+def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
+                  cpu_kernels: str = "measured", lean: bool = True,
+                  table: KernelTable | None = None) -> dict[int, list[float]]:
+    """`forward_costs`' timings, every one (`reps` per n, after one warm-up pass that is not kept): a caller that
+    samples again later, e.g. between an evaluation's prompts, pools them all."""
     dev = base.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
@@ -42,7 +51,7 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                 base.lm_head(hidden)
                 if rep:
                     times[n].append(wall_clock(dev) - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
 
 
 # base -> {(cpu_kernels, lean): v(0..n)}: each base's curve, measured once per process
