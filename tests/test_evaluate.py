@@ -63,6 +63,10 @@ def test_evaluate_end_to_end(tmp_path, questions):
     assert rows["medusa"]["leviathan"]["gamma"] == 3
     lev = rows["medusa"]["leviathan"]  # the time split the model leaves out is reported, in T_1
     assert lev["ar_step"] > 0 and math.isfinite(lev["overhead"])
+    # and it adds up: the speedup after the first token is τ·a/(v + γc + o) (untrained heads: no round is cut short
+    # by the token limit, so τ is the tokens per round)
+    assert lev["measured_speedup_decode"] == pytest.approx(
+        rows["medusa"]["tau"] * lev["ar_step"] / (lev["break_even_tau"] + lev["overhead"]), rel=0.05)
     assert set(rows["medusa"]["per_category_speedup"]) == {"coding", "writing"}
     # 4 turns in all, 12 tokens each (EOS disabled)
     assert rows["hf_generate"]["tokens"] == rows["ar (ours)"]["tokens"] == 4 * 12
