@@ -473,14 +473,19 @@ def _method_path(out_dir: Path, name: str) -> Path:
     return out_dir / "methods" / (re.sub(r"[^\w.-]+", "_", name) + ".json")
 
 
+def _decode_s(runs: list[Run]) -> float:
+    """Seconds after the first token (the prefill's), summed over runs of our sampler."""
+    return sum(r.seconds - r.ttft_s for r in runs)
+
+
 def _per_round(runs: list[Run]) -> float:
-    """Seconds per decode round after the first token (the prefill), over runs of our sampler."""
-    return sum(r.seconds - r.ttft_s for r in runs) / max(sum(r.rounds for r in runs), 1)
+    """Seconds per decode round after the first token."""
+    return _decode_s(runs) / max(sum(r.rounds for r in runs), 1)
 
 
 def _decode_s_per_token(runs: list[Run]) -> float:
-    """Seconds per token after the first (the prefill's), pooled over runs of our sampler."""
-    return sum(r.seconds - r.ttft_s for r in runs) / max(sum(len(r.tokens) - 1 for r in runs), 1)
+    """Seconds per token after the first."""
+    return _decode_s(runs) / max(sum(len(r.tokens) - 1 for r in runs), 1)
 
 
 def _same(config: dict) -> dict:
