@@ -5,6 +5,7 @@ their roofline, and the rest); and the memory-bandwidth and compute roofs of thi
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_ar.py            # what `make bench` runs
     .venv/bin/python experiments/bench_ar.py --prompts 2 --max-new-tokens 32   # quick look (< 5 min)
+    python experiments/bench_ar.py --device cuda                              # the same on a GPU (bench_cuda/)
 
 SmolLM2-135M (fp32, sdpa), HumanEval prompts rendered with the base's chat template, T = 0, batch 1. Each
 prompt is decoded by every method (order rotating), after one warm-up of each that is not timed; the
@@ -45,44 +46,52 @@ def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured",
     return r.num_generated[0], r.total_s, r.decode_s
 
 
+def sync(device: torch.device) -> float:
+    """The wall clock once the device's queued work is done (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def run_hf(base, prompt: list[int], max_new: int) -> tuple[int, float, float]:
     """generate() does not report its prefill, so it is timed apart, as a 1-token generate of the same prompt."""
     ids = torch.tensor([prompt], device=base.device)
 
     def timed(n: int) -> tuple[int, float]:
-        t0 = time.perf_counter()
+        t0 = sync(ids.device)
         out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)
-        return out.shape[1] - ids.shape[1], time.perf_counter() - t0
+        return out.shape[1] - ids.shape[1], sync(ids.device) - t0
 
     first_s = timed(1)[1]
     n, total_s = timed(max_new)
     return n, total_s, max(total_s - first_s, 1e-9)
 
 
-def read_bandwidth(gib: float = 0.5, reps: int = 5) -> float:
+def read_bandwidth(device: torch.device, gib: float = 0.5, reps: int = 5) -> float:
     """Bytes/s of a streaming read of a buffer far larger than the caches, on all threads (filled first, so the
     pages are real memory and not the shared zero page)."""
-    x = torch.ones(int(gib * 2**30) // 4)
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
     x.sum()
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = sync(device)
         x.sum()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, sync(device) - t0)
     return x.numel() * 4 / best
 
 
 @torch.no_grad()
-def gemm_flops(size: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of a large fp32 matrix product on all threads: the compute roof of this CPU."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def gemm_flops(device: torch.device, size: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a large fp32 matrix product on all threads (or the GPU): the compute roof of this machine."""
+    size = size if device.type == "cpu" else 8192  # a 2048² product leaves most of a GPU idle
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     a @ b
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = sync(device)
         a @ b
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, sync(device) - t0)
     return 2 * size**3 / best
 
 
@@ -94,13 +103,13 @@ def gemm_curve(base, ns: list[int], reps: int = 5) -> dict[int, float]:
         linears = decode_linears(base)
         out = {}
         for n in ns:
-            xs = {lin.in_features: torch.randn(n, lin.in_features) for lin in linears}
+            xs = {lin.in_features: torch.randn(n, lin.in_features, device=base.device) for lin in linears}
             best = float("inf")
             for _ in range(reps + 1):  # the first pass warms up
-                t0 = time.perf_counter()
+                t0 = sync(base.device)
                 for lin in linears:
                     lin(xs[lin.in_features])
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, sync(base.device) - t0)
             out[n] = best
     return out
 
@@ -142,14 +151,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-n", type=int, default=32, help="verify-cost curve for n = 1..max_n")
-    ap.add_argument("--out", default="experiments/results/bench")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: the same cost model on a GPU")
+    ap.add_argument("--out", default=None, help="default experiments/results/bench (bench_cuda on a GPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base = load_base(dtype="float32", device="cpu")
+    base = load_base(dtype="float32", device=args.device)
+    dev = base.device
+    args.out = args.out or ("experiments/results/bench" if dev.type == "cpu" else "experiments/results/bench_cuda")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts)]
     command = (f"OMP_NUM_THREADS={args.threads} .venv/bin/python experiments/bench_ar.py --prompts {args.prompts} "
-               f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}")
+               f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}"
+               + (f" --device {args.device}" if dev.type != "cpu" else ""))
 
     # Same greedy tokens from every path (a correctness check that costs nothing here).
     t0 = time.perf_counter()
@@ -159,7 +172,7 @@ def main() -> None:
                                                                   cpu_kernels="stock")).tokens[0]
     hf_layers_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
                                                                       lean=False)).tokens[0]
-    hf_toks = base.model.generate(torch.tensor([prompts[0]]), max_new_tokens=16, min_new_tokens=16,
+    hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
 
@@ -188,23 +201,24 @@ def main() -> None:
     hf_layers_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), lean=False)
     curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
     hf_layers_curve = verify_curve(hf_layers_costs)
-    split = step_split(base, prompts[0])
-    bandwidth = read_bandwidth()
+    split = step_split(base, prompts[0]) if dev.type == "cpu" else None  # CPU time says little of a GPU's step
+    bandwidth = read_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
     bound = bandwidth / weight_bytes
     # Where v(n) comes from: the products alone at n rows against their roofline, max(stream the weights once,
     # 2·n·(weights) flops at the compute roof); the rest of T_n is attention, norms, rotary and dispatch.
-    flops = gemm_flops()
+    flops = gemm_flops(dev)
     gemm = gemm_curve(base, ns)
     roof = {n: max(weight_bytes / bandwidth, 2 * n * weight_bytes / 4 / flops) for n in ns}
 
     report = {
-        "cpu": machine_key(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+        "cpu": machine_key(), "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        "platform": platform.platform(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "base": base.name, "dtype": "float32",
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.tolist(),
-                             "stock": stock_toks.tolist() == hf_toks.tolist(),
-                             "hf_layers": hf_layers_toks.tolist() == hf_toks.tolist()},
+        "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.cpu().tolist(),
+                             "stock": stock_toks.tolist() == hf_toks.cpu().tolist(),
+                             "hf_layers": hf_layers_toks.tolist() == hf_toks.cpu().tolist()},
         "ar_tok_s": round(ours_mean, 2), "ar_stock_tok_s": round(stock_mean, 2),
         "ar_hf_layers_tok_s": round(hf_layers_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
         "ar_pooled_tok_s": round(ours_pool, 2), "hf_generate_pooled_tok_s": round(hf_pool, 2),
@@ -240,7 +254,9 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = [f"# Cost model: {r['base']} ({r['dtype']}), {r['cpu']}", "", f"`{r['command']}`", "",
+    where = r["cpu"] if r.get("device", "cpu") == "cpu" else f"{r['device']} (host: {r['cpu']})"
+    split = r["step_split"]
+    lines = [f"# Cost model: {r['base']} ({r['dtype']}), {where}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
              f"transformers {r['transformers']}. Greedy tokens identical to HF generate: "
              f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}, "
@@ -258,9 +274,9 @@ def render(r: dict) -> str:
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it "
              f"end to end and {r['ar_decode_share_of_bound']:.0%} in decode (the bound is per decode step; the prefill "
              "is compute-bound and not in it).",
-             "", f"One AR step (profiled, measured kernels): {r['step_split']['step_ms_profiled']:.1f} ms; GEMM "
-             f"{r['step_split']['gemm_ms']:.1f} ms ({r['step_split']['gemm_share']:.0%}), everything else "
-             f"{r['step_split']['other_ms']:.1f} ms.", "",
+             "", (f"One AR step (profiled, measured kernels): {split['step_ms_profiled']:.1f} ms; GEMM "
+                  f"{split['gemm_ms']:.1f} ms ({split['gemm_share']:.0%}), everything else {split['other_ms']:.1f} ms."
+                  if split else "One AR step: not profiled on a GPU (CPU time would count kernel launches only)."), "",
              f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels, {r['t1_stock_ms']:.1f} ms "
              f"stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n chain tokens, lm_head "
              "included):",
@@ -298,7 +314,7 @@ def plot(r: dict, path: Path) -> None:
     ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:",
             label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0]}")
+    ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r.get('device', 'cpu') if r.get('device', 'cpu') != 'cpu' else r['cpu'].split(' | ')[0]}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

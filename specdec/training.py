@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -401,10 +402,10 @@ def _sweep_grouping(logger_cfg: DictConfig) -> dict:
 
 
 def _finish_wandb() -> None:
-    """Close the wandb run even on failure, so the next job of a multirun starts its own run."""
-    import wandb
-
-    if wandb.run is not None:
+    """Close the wandb run even on failure, so the next job of a multirun starts its own run. A run that never logged
+    to wandb (logger=csv) needs no wandb installed (the lent GPU machines have none)."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
         wandb.finish()
 
 

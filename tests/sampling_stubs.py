@@ -53,12 +53,12 @@ class Oracle(Drafter):
         out = []
         for b, hist in enumerate(state["hist"]):
             ctx_ids = torch.stack([torch.tensor(hist + paths[n][b].tolist()) for n in nodes.tolist()])
-            best = self.base(ctx_ids)[:, -1].argmax(-1)  # [F]
+            best = self.base(ctx_ids.to(self.base.device))[:, -1].argmax(-1).cpu()  # [F]
             right_for = self.right_for[b] if isinstance(self.right_for, list) else self.right_for
             want = best if depth < right_for else (best + 1) % v
             noise = torch.rand(len(best), v, generator=gen)
             out.append(noise + 10 * torch.nn.functional.one_hot(want, v))
-        return torch.stack(out)  # [B, F, V]
+        return torch.stack(out).to(self.base.device)  # [B, F, V]
 
 
 class Table(Drafter):
@@ -67,7 +67,7 @@ class Table(Drafter):
     def __init__(self, base: Base, seed: int = 1, scale: float = 2.0):
         super().__init__(base)
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(base.vocab_size, base.vocab_size, generator=g) * scale
+        self.table = (torch.randn(base.vocab_size, base.vocab_size, generator=g) * scale).to(base.device)
 
     def init_state(self, batch_size: int, max_len: int):
         return {}

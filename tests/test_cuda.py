@@ -1,0 +1,184 @@
+"""The CUDA path on tiny bases: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
+n-gram lookup, the continuous batch of distillation, training (online, from a feature cache, bf16) and evaluate.py,
+each run on the GPU. Skipped where no GPU is visible (CI's machines have none); experiments/cuda_check.py runs this
+file on a lent GPU, then the real base."""
+
+from __future__ import annotations
+
+import math
+
+import hydra
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import CONFIGS, compose_train
+from sampling_stubs import Oracle, Table, micro_base
+from specdec.base import Base, tiny_base
+from specdec.checkpoint import save_drafter
+from specdec.drafters.medusa import Medusa
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.stream import stream
+from test_sampling_decode import TINY_OVERRIDES, TREE, drafter_configs
+from test_sampling_mc import PROMPT, chi_square_pvalue, exact_joint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+
+NEW = 12
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def reference(base, prompts, new=NEW):
+    """Plain greedy decoding without any cache, on the base's device."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=base.device)
+        for _ in range(new):
+            ids = torch.cat([ids, base(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def cfg(**kw):
+    return SamplerConfig(max_new_tokens=NEW, eos_token_id=[], **kw)
+
+
+def test_tiny_base_is_on_the_gpu(base):
+    assert base.device.type == "cuda"
+
+
+def test_plain_decoding_matches_no_cache_greedy_and_hf_generate(base, prompts):
+    r = generate(base, prompts, None, cfg())
+    assert r.tokens.tolist() == reference(base, prompts)
+    for p, row in zip(prompts, r.tokens.tolist()):
+        hf = base.model.generate(torch.tensor([p], device=CUDA), max_new_tokens=NEW, do_sample=False,
+                                 min_new_tokens=NEW, pad_token_id=0)
+        assert hf[0, len(p):].tolist() == row
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=4), dict(tree="static", paths=TREE),
+                                dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6),
+                                dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6,
+                                     dynamic_by_cost=True)])  # the verify-cost curve timed on the GPU
+@pytest.mark.parametrize("right_for", [0, 2, [0, 2, 4]])  # none / partial / ragged across the batch
+def test_chain_and_tree_greedy_identity(base, prompts, kw, right_for):
+    r = generate(base, prompts, Oracle(base, right_for), cfg(**kw))
+    assert r.tokens.tolist() == reference(base, prompts)
+
+
+@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
+def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
+    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
+    drafter = hydra.utils.instantiate(node)(base=base).to(CUDA)
+    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    depth = min(3, drafter.max_depth or 3)
+    ref = reference(base, prompts)
+    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE]),
+               dict(gamma=depth, lookup_tokens=4, lookup_min_ngram=1)):
+        assert generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])
+def test_monte_carlo_law_on_the_gpu(kw):
+    """10^5 rows at T = 1 through the real loop on the GPU against the exact joint (test_sampling_mc's check)."""
+    micro = micro_base()
+    base = Base(micro.model.to(CUDA), None, micro.name)
+    cfg = SamplerConfig(max_new_tokens=3, temperature=1.0, eos_token_id=[], **kw)
+    tokens = generate(base, [PROMPT] * 100_000, Table(base), cfg, torch.Generator(device=CUDA).manual_seed(0)).tokens
+    assert chi_square_pvalue(tokens, exact_joint(Base(micro.model.cpu(), None, micro.name))) > 1e-3
+
+
+def test_a_cpu_generator_seeds_a_gpu_decode_as_it_seeds_a_cpu_one(prompts):
+    c = cfg(gamma=3, temperature=1.0, top_k=20)
+    cpu = tiny_base()
+    torch.manual_seed(0)
+    heads = Medusa(cpu, num_heads=3)
+    gpu = tiny_base(device="cuda")
+    on_gpu = Medusa(gpu, num_heads=3).to(CUDA)
+    on_gpu.load_state_dict(heads.state_dict())
+    a = generate(gpu, prompts, on_gpu, c, torch.Generator().manual_seed(5))
+    b = generate(cpu, prompts, heads, c, torch.Generator().manual_seed(5))
+    # the same uniforms; the logits differ by float rounding between devices, so most tokens, not all, agree
+    same = sum(x == y for ra, rb in zip(a.tokens.tolist(), b.tokens.tolist()) for x, y in zip(ra, rb))
+    assert same >= 0.8 * a.tokens.numel()
+
+
+def test_continuous_batch_rows_equal_each_prompt_alone(base):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (4, 7, 2, 5, 6, 3, 8)]
+    c = SamplerConfig(max_new_tokens=10, eos_token_id=[], temperature=1.0)
+    gens = lambda: [torch.Generator(device=CUDA).manual_seed(i) for i in range(len(prompts))]  # noqa: E731
+    alone = [generate(base, [p], None, c, [g]).tokens[0].tolist() for p, g in zip(prompts, gens())]
+    assert dict(stream(base, prompts, c, batch_size=3, generators=gens())) == dict(enumerate(alone))
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "hydra", "prophet", "early_exit"])
+def test_training_on_the_gpu(drafter, corpus, tmp_path):
+    """train.py's path on the GPU: the tiny base and the drafter on cuda, Lightning's gpu accelerator, precision
+    auto (bf16-mixed where supported), a drafter saved that decodes losslessly on the GPU."""
+    from specdec.checkpoint import load_drafter
+    from specdec.training import train
+
+    extra = {"early_exit": ["drafter.exit_layers=[1]"]}.get(drafter, [])
+    tcfg = compose_train(["base=tiny", "base.device=cuda", "trainer.accelerator=gpu", "trainer.precision=auto",
+                          "data=text", f"data.source.path={corpus}/*.txt", "data.block_size=32", "data.batch_size=2",
+                          "data.val_fraction=0.2", f"drafter={drafter}", "trainer.max_steps=4",
+                          "trainer.val_check_interval=2", "callbacks.progress_bar.refresh_rate=0", "logger=csv", *extra],
+                         tmp_path)
+    metrics = train(tcfg)
+    assert metrics["val/expected_tau"] >= 1.0 and math.isfinite(metrics["train/loss"])
+    gpu = tiny_base(device="cuda")
+    trained = load_drafter(tmp_path / "run" / "drafter", gpu).to(CUDA).eval()
+    ps = [[5, 6, 7, 8], [9, 10, 11]]
+    assert generate(gpu, ps, trained, cfg(gamma=2)).tokens.tolist() == reference(gpu, ps)
+
+
+def test_feature_cache_and_training_from_it_on_the_gpu(corpus, tmp_path):
+    from specdec.data import features as features_mod
+    from specdec.training import train
+
+    out = tmp_path / "feat"
+    fcfg = compose_train(["base=tiny", "base.device=cuda", "data=text", f"data.source.path={corpus}/*.txt",
+                          "data.block_size=32", "data.val_fraction=0.2", "layers=[-1,1]", "topk=8", f"out_dir={out}"],
+                         tmp_path, config_name="features")
+    features_mod.main.__wrapped__(fcfg)
+    cfg = compose_train(["base=tiny", "base.device=cuda", "trainer.accelerator=gpu", "data=cached", f"data.path={out}",
+                         "data.batch_size=2", "drafter=prophet", "trainer.max_steps=4", "trainer.val_check_interval=2",
+                         "callbacks.progress_bar.refresh_rate=0", "logger=csv"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["val/expected_tau"] >= 1.0 and math.isfinite(metrics["train/loss"])
+
+
+def test_evaluate_on_the_gpu(tmp_path):
+    import json
+
+    from specdec.evaluation import evaluate
+
+    questions = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in
+            enumerate([("coding", "def add(a, b):"), ("writing", "a haiku about GPUs")])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    save_drafter(Medusa(tiny_base(), num_heads=3), tmp_path / "medusa")
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        ecfg = compose("evaluate", overrides=[
+            "base=tiny", "base.device=cuda", f"paths.output_dir={tmp_path}/eval", f"paths.cache_dir={tmp_path}/cache",
+            "prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]", "sampler.gamma=3",
+            "sampler.max_new_tokens=12", "sampler.eos_token_id=[]", "sampler.lookup_tokens=4",
+            "hf.early_exit_layer=1", "wandb.enabled=false"])
+    report = evaluate(ecfg)
+    assert report["rows"] and all(r["greedy_identical"] for r in report["rows"])
+    assert "cuda" in json.dumps(report["header"]).lower() or "nvidia" in json.dumps(report["header"]).lower()
