@@ -20,39 +20,17 @@ from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
-from test_sampling_decode import TINY_OVERRIDES, TREE, drafter_configs
+from test_sampling_decode import NEW, TINY_OVERRIDES, TREE, cfg, drafter_configs, prompts, reference  # noqa: F401
 from test_sampling_mc import PROMPT, chi_square_pvalue, exact_joint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
-NEW = 12
 CUDA = torch.device("cuda")
 
 
 @pytest.fixture(scope="module")
 def base():
     return tiny_base(device="cuda")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9, 3)]
-
-
-def reference(base, prompts, new=NEW):
-    """Plain greedy decoding without any cache, on the base's device."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=base.device)
-        for _ in range(new):
-            ids = torch.cat([ids, base(ids)[:, -1].argmax(-1, keepdim=True)], 1)
-        out.append(ids[0, len(p):].tolist())
-    return out
-
-
-def cfg(**kw):
-    return SamplerConfig(max_new_tokens=NEW, eos_token_id=[], **kw)
 
 
 def test_tiny_base_is_on_the_gpu(base):

@@ -31,10 +31,10 @@ def prompts():
 
 
 def reference(base, prompts, new=NEW):
-    """Plain greedy decoding without any cache."""
+    """Plain greedy decoding without any cache (on the base's device)."""
     out = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=base.device)
         for _ in range(new):
             ids = torch.cat([ids, base(ids)[:, -1].argmax(-1, keepdim=True)], 1)
         out.append(ids[0, len(p):].tolist())
