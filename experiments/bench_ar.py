@@ -29,7 +29,7 @@ from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
 from specdec.sampling import native  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
-from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
+from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
 from specdec.sampling.lean import decode_linears  # noqa: E402
@@ -44,13 +44,6 @@ def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured",
     r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels,
                                                      lean=lean))
     return r.num_generated[0], r.total_s, r.decode_s
-
-
-def sync(device: torch.device) -> float:
-    """The wall clock once the device's queued work is done (a GPU runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def run_hf(base, prompt: list[int], max_new: int) -> tuple[int, float, float]:
@@ -253,8 +246,12 @@ def main() -> None:
     print(md)
 
 
+def on_cpu(r: dict) -> bool:
+    return r.get("device", "cpu") == "cpu"  # reports from before --device have no "device"
+
+
 def render(r: dict) -> str:
-    where = r["cpu"] if r.get("device", "cpu") == "cpu" else f"{r['device']} (host: {r['cpu']})"
+    where = r["cpu"] if on_cpu(r) else f"{r['device']} (host: {r['cpu']})"
     split = r["step_split"]
     lines = [f"# Cost model: {r['base']} ({r['dtype']}), {where}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
@@ -314,7 +311,7 @@ def plot(r: dict, path: Path) -> None:
     ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:",
             label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r.get('device', 'cpu') if r.get('device', 'cpu') != 'cpu' else r['cpu'].split(' | ')[0]}")
+    ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0] if on_cpu(r) else r['device']}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

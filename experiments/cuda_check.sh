@@ -7,7 +7,7 @@
 #   demo   make demo's three steps on the GPU: the quick feature cache, the demo's Hydra head, HumanEval evaluated
 #          (chain γ = 1 with and without n-gram lookup, lookup alone, HF generate), then the same head as a
 #          one-level tree of its top-8 (a GPU verifies 9 tokens for about the price of one)
-#   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 2000
+#   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any of them and prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -117,6 +118,12 @@ class GenerationResult:
         return self.total_s - self.ttft_s
 
 
+def row_uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One U(0,1) per generator [len], each drawn on its generator's own device, then moved to `device`: a CPU
+    generator seeds a CUDA decode too, and gives it the same uniforms as a CPU decode."""
+    return torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(device)
+
+
 class RowUniform:
     """Draws one U(0,1) per row. With one generator per row, a row's stream is independent of the batch."""
 
@@ -130,12 +137,11 @@ class RowUniform:
         self.batch = len(keep)
 
     def __call__(self) -> torch.Tensor:
-        # Drawn on the generator's own device, then moved: a CPU generator seeds a CUDA decode too, and gives it the
-        # same uniforms as a CPU decode.
         if isinstance(self.generator, list):
-            return torch.cat([torch.rand(1, generator=g, device=g.device) for g in self.generator]).to(self.device)
+            return row_uniforms(self.generator, self.device)
         if self.generator is None:
             return torch.rand(self.batch, device=self.device)
+        # drawn where the generator lives, as row_uniforms does
         return torch.rand(self.batch, generator=self.generator, device=self.generator.device).to(self.device)
 
 

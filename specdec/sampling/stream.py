@@ -20,7 +20,7 @@ import torch
 from specdec.base import Base
 from specdec.sampling import verify
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.decode import SamplerConfig, check_inputs, finite
+from specdec.sampling.decode import SamplerConfig, check_inputs, finite, row_uniforms
 from specdec.sampling.kernels import measured_kernels
 
 Answer = tuple[int, list[int]]  # (index of the prompt, its generated tokens: the EOS included when the base ended)
@@ -149,8 +149,7 @@ class _Rows:
         if self.generators is None:
             u = torch.rand(len(rows), device=dev)
         else:
-            gens = [self.generators[self.held[b]] for b in rows]  # drawn where each lives (RowUniform's rule)
-            u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)
+            u = row_uniforms([self.generators[self.held[b]] for b in rows], dev)
         return verify.sample(verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p), u)
 
 
