@@ -7,7 +7,7 @@ the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown n
 
 The table trains the prophet recipe itself at 750 steps (~30 min on 2 Zen 4 cores in bf16); any trained chain
 drafter can take its place:
-    python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet/drafter]'   # the recipe's 2000 steps
+    python evaluate.py experiment=leviathan/eval 'drafters=[logs/recipe/prophet/drafter]'   # the recipe's 3000 steps
     python experiments/leviathan.py --render"""
 
 import math
