@@ -22,10 +22,10 @@ test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
-# completion-format answers (stdlib functions, the format HumanEval asks in), one Hydra head (draft vocab 8192; the
-# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval: the head (chain γ=1: it drafts
-# from the verify forward's own hidden state, and a 2-token verify block is the cheap one on a 2-core CPU) alone and
-# with n-gram lookup rounds, lookup alone, our plain AR loop and HF generate, same run; prints the table.
+# completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
+# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval: the heads drafting a dynamic
+# tree (depth 4, the 10 most likely nodes verified in one block) alone and with n-gram lookup rounds, lookup alone,
+# our plain AR loop and HF generate, same run; prints the table.
 # Each run: logs/demo/<time>/.
 DEMO_BLOCKS ?= 600
 demo: setup
@@ -35,7 +35,8 @@ demo: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo data.path=$$PWD/$$run/features/cache \
 	    hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
-	    sampler.max_new_tokens=128 sampler.gamma=1 sampler.lookup_tokens=8 'peers=[hf_generate]' \
+	    sampler=dynamic_tree sampler.dynamic_by_cost=false sampler.dynamic_budget=10 sampler.dynamic_topk=3 \
+	    sampler.max_new_tokens=128 sampler.lookup_tokens=8 'peers=[hf_generate]' \
 	    hydra.run.dir=$$run/eval && \
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 
