@@ -4,9 +4,9 @@
 #   tests  tests/test_cuda.py: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
 #          the continuous batch, training (online, from a feature cache, precision auto) and evaluate.py, on the GPU
 #   bench  experiments/bench_ar.py --device cuda: our AR loop vs HF generate, the verify-cost curve, the roofs
-#   demo   make demo's three steps on the GPU: the quick feature cache, the demo's Hydra head, HumanEval evaluated
-#          (chain γ = 1 with and without n-gram lookup, lookup alone, HF generate), then the same head as a
-#          one-level tree of its top-8 (a GPU verifies 9 tokens for about the price of one)
+#   demo   make demo's three steps on the GPU: the quick feature cache, the demo's four Hydra heads, HumanEval
+#          evaluated as make demo does (a 10-node dynamic tree with and without n-gram lookup, lookup alone, HF
+#          generate), then the same heads as the tree sized by the verify cost (dynamic_by_cost)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any of them and prophet)
@@ -54,11 +54,10 @@ for s in ${STEPS:-tests bench demo}; do
         logger=csv
       cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler.gamma=1 sampler.lookup_tokens=8 'peers=[hf_generate]' wandb.enabled=false \
-        hydra.run.dir="$out/demo_eval"
+        sampler=dynamic_tree sampler.dynamic_by_cost=false sampler.dynamic_budget=10 sampler.dynamic_topk=3 \
+        sampler.lookup_tokens=8 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=dynamic_tree sampler.dynamic_depth=1 sampler.dynamic_topk=8 sampler.dynamic_budget=8 'peers=[]' \
-        wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
+        sampler=dynamic_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
       step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
         hydra.run.dir="$work/completions_run"
