@@ -8,12 +8,15 @@ and 317 for PyTorch's default). Rows beyond BLOCK are done BLOCK at a time.
 
 smallm_packed does the same product from W packed in blocks of PACK output rows laid out column by column
 ([ceil(O/PACK), I, PACK], zero-padded; smallm_pack_rows() tells PACK): per input column it loads PACK weights (two
-vectors) once, broadcasts each x row's value and adds into 2·M vector accumulators, so there are no horizontal sums, one
-sequential stream per thread, and every weight load serves all M rows. The row-major kernel above turns compute-bound
-from M = 3 on; this one stays at the cost of reading W once up to 12 rows. One pass over SmolLM2's products (its 121
-decode linears and the lm_head), Zen 4 EPYC, 2 threads, one run (experiments/bench_native.py): row-major 11.9 / 17.5 /
-24.2 / 42.4 / 56.0 ms at 1 / 3 / 5 / 8 / 12 rows, packed 10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms. The layout is a second copy of the weight, made once
-per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads a bfloat16 copy (see below).
+vectors) once, broadcasts each x row's value and adds into 2·M vector accumulators, so there are no horizontal sums,
+one pass over W per thread (read as STREAMS concurrent runs, see PACKED_BLOCK), and every weight load serves all M
+rows. The row-major kernel above turns compute-bound from M = 3 on; this one stays near the cost of reading W once
+up to 12 rows. One pass over SmolLM2's products (its 120 decode linears and the lm_head), 2 threads: Zen 4 EPYC, one
+run (experiments/bench_native.py), row-major 11.9 / 17.5 / 24.2 / 42.4 / 56.0 ms at 1 / 3 / 5 / 8 / 12 rows, packed
+10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms; Intel Xeon (family 6 model 167), packed with one stream 23.8 / 28.3 / 33.1 /
+35.5 / 38.7 ms and with four 20.6 / 23.6 / 24.5 / 25.4 / 29.1 ms (the same run, interleaved). The layout is a second
+copy of the weight, made once per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads
+a bfloat16 copy (see below).
 
 smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
 x and the sums in float32: half the bytes to stream, for a drafter's weights, where a rounded weight changes only what
@@ -37,6 +40,7 @@ ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX
 #define PBLOCK 6 /* 2·6 accumulators + 2 weight vectors + 1 broadcast within 16 registers */
 #endif
 #define PACK (2 * PLANES) /* output rows per packed block */
+#define STREAMS 4 /* concurrent column runs per packed block (see PACKED_BLOCK) */
 
 /* A vector type of N floats with its loads: V (float32), from float32 (unaligned) and from bfloat16 (each 16-bit
    pattern becomes the top half of a 32-bit one). vec: the row-major kernel's LANES; pvec: the packed kernel's PLANES. */
@@ -128,21 +132,30 @@ static const block_fn BLOCKS_BF16[BLOCK + 1] = {0, block_bf16_1, block_bf16_2, b
 
 /* y[m, o] for m < MB over packed blocks [b0, b1) of wp [ceil(O/PACK), I, PACK] (element type T): per block, MB x rows
 times PACK outputs in 2·MB accumulators; x[m, i] is broadcast against the block's column i. MB is a compile-time
-constant (one function per height), so the accumulators stay in registers. */
+constant (one function per height), so the accumulators stay in registers. The block's columns are read as STREAMS
+runs at once (columns i, i + I/S, i + 2I/S, ...: S sequential streams, each in its own pages, into the same
+accumulators): one core following one stream keeps too few cache misses in flight to reach its share of the
+bandwidth (2-core Intel Xeon, family 6 model 167: 3072x576 at 5 rows 443 us with one stream, 311 with four; 60
+distinct weights, so from memory), and several streams give the prefetcher more to fetch at once. */
+#define PACKED_COLUMN(PLOAD, MB, c) \
+    do { \
+        const pvec w0 = PLOAD(wb + (size_t)(c) * PACK), w1 = PLOAD(wb + (size_t)(c) * PACK + PLANES); \
+        for (int m = 0; m < (MB); m++) { \
+            const float xv = x[(size_t)m * I + (c)]; \
+            lo[m] += w0 * xv; \
+            hi[m] += w1 * xv; \
+        } \
+    } while (0)
 #define PACKED_BLOCK(NAME, T, PLOAD, MB) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
+        const int q = I / STREAMS; \
         for (int b = b0; b < b1; b++) { \
             const T *wb = (const T *)wp + (size_t)b * I * PACK; \
             pvec lo[MB], hi[MB]; \
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
-            for (int i = 0; i < I; i++) { \
-                const pvec w0 = PLOAD(wb + (size_t)i * PACK), w1 = PLOAD(wb + (size_t)i * PACK + PLANES); \
-                for (int m = 0; m < (MB); m++) { \
-                    const float xv = x[(size_t)m * I + i]; \
-                    lo[m] += w0 * xv; \
-                    hi[m] += w1 * xv; \
-                } \
-            } \
+            for (int i = 0; i < q; i++) \
+                for (int s = 0; s < STREAMS; s++) PACKED_COLUMN(PLOAD, MB, i + s * q); \
+            for (int c = q * STREAMS; c < I; c++) PACKED_COLUMN(PLOAD, MB, c); /* the last I % STREAMS columns */ \
             const int o = b * PACK, n = O - o < PACK ? O - o : PACK; \
             for (int m = 0; m < (MB); m++) { \
                 float *ym = y + (size_t)m * O + o; \
