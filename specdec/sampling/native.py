@@ -84,26 +84,35 @@ def _build(compiler: str) -> Path | None:
     return None
 
 
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 @lru_cache(maxsize=None)
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEC_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = find_compiler()
     if compiler is None or not SOURCE.exists():
         return None
     path = _build(compiler)
     if path is None:
         return None
     try:
-        # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to
-        # that one by its soname, so both share one thread pool instead of two fighting over the cores
-        lib = ctypes.CDLL(str(path))
-        for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16, lib.smallm_packed, lib.smallm_packed_bf16):
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        lib.smallm_pack_rows.restype = ctypes.c_int
+        return open_library(path)
     except (OSError, AttributeError):
         return None
+
+
+def open_library(path: Path | str) -> ctypes.CDLL:
+    """A built smallm library with its functions' signatures set (experiments/ab_native.py opens another revision's)."""
+    # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to that
+    # one by its soname, so both share one thread pool instead of two fighting over the cores
+    lib = ctypes.CDLL(str(path))
+    for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16, lib.smallm_packed, lib.smallm_packed_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    lib.smallm_pack_rows.restype = ctypes.c_int
     return lib
 
 

@@ -13,10 +13,10 @@ one pass over W per thread (read as STREAMS concurrent runs, see PACKED_BLOCK), 
 rows. The row-major kernel above turns compute-bound from M = 3 on; this one stays near the cost of reading W once
 up to 12 rows. One pass over SmolLM2's products (its 120 decode linears and the lm_head), 2 threads: Zen 4 EPYC, one
 run (experiments/bench_native.py), row-major 11.9 / 17.5 / 24.2 / 42.4 / 56.0 ms at 1 / 3 / 5 / 8 / 12 rows, packed
-10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms; Intel Xeon (family 6 model 167), packed with one stream 23.8 / 28.3 / 33.1 /
-35.5 / 38.7 ms and with four 20.6 / 23.6 / 24.5 / 25.4 / 29.1 ms (the same run, interleaved). The layout is a second
-copy of the weight, made once per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads
-a bfloat16 copy (see below).
+10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms; Intel Xeon (family 6 model 167), packed with one stream 24.0 / 29.4 / 34.3 /
+36.7 / 39.5 ms and with four 21.0 / 23.8 / 24.6 / 26.7 / 32.4 ms (experiments/ab_native.py --rev a3654e7: both in one
+run, interleaved). The layout is a second copy of the weight, made once per weight by kernels.py where measurement
+picks this kernel; smallm_packed_bf16 reads a bfloat16 copy (see below).
 
 smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
 x and the sums in float32: half the bytes to stream, for a drafter's weights, where a rounded weight changes only what
@@ -135,7 +135,7 @@ times PACK outputs in 2·MB accumulators; x[m, i] is broadcast against the block
 constant (one function per height), so the accumulators stay in registers. The block's columns are read as STREAMS
 runs at once (columns i, i + I/S, i + 2I/S, ...: S sequential streams, each in its own pages, into the same
 accumulators): one core following one stream keeps too few cache misses in flight to reach its share of the
-bandwidth (2-core Intel Xeon, family 6 model 167: 3072x576 at 5 rows 443 us with one stream, 311 with four; 60
+bandwidth (2-core Intel Xeon, family 6 model 167: 3072x576 at 5 rows 443 us with one stream, 311 with four, over 60
 distinct weights, so from memory), and several streams give the prefetcher more to fetch at once. */
 #define PACKED_COLUMN(PLOAD, MB, c) \
     do { \
