@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from pathlib import Path
 
@@ -19,6 +20,14 @@ if "OMP_NUM_THREADS" not in os.environ:  # tests stay on the 2 cores CI has
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_base()
+
+
+def experiment_script(name: str):
+    """experiments/<name>.py imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_corpus(d: Path) -> Path:

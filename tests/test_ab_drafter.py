@@ -1,27 +1,16 @@
 """experiments/ab_drafter.py: a drafter's class as another git revision defined it, swapped in under the same weights."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
+from conftest import experiment_script
 from specdec.base import tiny_base
 from specdec.drafters.prophet import Prophet
 from specdec.sampling.decode import SamplerConfig, generate
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("ab_drafter", ROOT / "experiments" / "ab_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_class_at_a_revision_runs_the_same_weights():
     base = tiny_base()
-    old = _script().class_at(Prophet, "HEAD")
+    old = experiment_script("ab_drafter").class_at(Prophet, "HEAD")
     assert old is not Prophet and old.__name__ == "Prophet" and old.__module__ != Prophet.__module__
     drafter = Prophet(base, unroll_steps=2)
     with torch.no_grad():  # random blocks: drafts differ from the base's tokens, so rounds reject and roll back
