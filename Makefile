@@ -35,8 +35,7 @@ demo: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo data.path=$$PWD/$$run/features/cache \
 	    hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
-	    sampler=dynamic_tree sampler.dynamic_by_cost=false sampler.dynamic_budget=10 sampler.dynamic_topk=3 \
-	    sampler.max_new_tokens=128 sampler.lookup_tokens=8 'peers=[hf_generate]' \
+	    sampler=demo sampler.max_new_tokens=128 'peers=[hf_generate]' \
 	    hydra.run.dir=$$run/eval && \
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 

@@ -54,8 +54,7 @@ for s in ${STEPS:-tests bench demo}; do
         logger=csv
       cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=dynamic_tree sampler.dynamic_by_cost=false sampler.dynamic_budget=10 sampler.dynamic_topk=3 \
-        sampler.lookup_tokens=8 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
+        sampler=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler=dynamic_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval

@@ -72,16 +72,25 @@ def _build(compiler: str) -> Path | None:
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             out = Path(tmp) / target.name
-            try:
-                done = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
-                                      capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError):
-                return None
+            done = compile_library(compiler, flags, SOURCE, out)
             build_s += time.perf_counter() - t0
-            if done.returncode == 0:
+            if done is None:
+                return None
+            if done:
                 os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
                 return target
     return None
+
+
+def compile_library(compiler: str, flags: list[str], source: Path, out: Path) -> bool | None:
+    """Compile `source` into the shared library `out` with `flags`: whether it compiled; None when the compiler
+    could not be run at all."""
+    try:
+        done = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(source), "-o", str(out)],
+                              capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.returncode == 0
 
 
 def find_compiler() -> str | None:
