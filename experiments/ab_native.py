@@ -36,7 +36,7 @@ def library_at(rev: str, tmp: Path):
     (tmp / "smallm.c").write_text(source)
     compiler = native.find_compiler()
     for flags in native.FLAGS if compiler else ():
-        if native.compile_library(compiler, flags, tmp / "smallm.c", tmp / "smallm.so"):
+        if native.compile_library(compiler, flags, [tmp / "smallm.c"], tmp / "smallm.so"):
             return native.open_library(tmp / "smallm.so")
     raise RuntimeError(f"smallm.c at {rev} does not compile here")
 

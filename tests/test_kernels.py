@@ -70,7 +70,7 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again(tmp_path, stored)
     busy = KernelTable(path, candidates=CLEAR, rows=ROWS)
     busy.choice = {"64x32:float32": {r: stored for r in ROWS}}
     busy.timings = {"64x32:float32": {r: {stored: 1e-6, "linear": 1.0} for r in ROWS}}
-    busy._save()
+    busy.save()
     table = KernelTable(path, candidates=CLEAR, rows=ROWS)
     table.prepare([torch.randn(64, 32)])
     assert table.remeasured == ["64x32:float32"] and table.measure_s > 0

@@ -67,6 +67,18 @@ class SlotCache(Cache):
             self.layers.append(SlotLayer(self))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def buffers(self, layer_idx: int, like: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """Layer `layer_idx`'s key and value stores [B, kv_heads, max_len, head_dim], allocated here if no `update`
+        has yet (B and dtype from like [B, n, H]): for a native layer, which writes them itself."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlotLayer(self))
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            shape = (like.shape[0], kv_heads, 0, head_dim)
+            layer.lazy_initialization(like.new_empty(shape), like.new_empty(shape))
+        return layer.keys, layer.values
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` [B'] of every layer."""
         for layer in self.layers:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.sampling import native
+from specdec.sampling import native, native_layer
 from specdec.sampling.lean import decode_linears
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
@@ -176,6 +176,8 @@ class KernelTable:
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> kernel -> seconds per product
         self.uniform: dict[str, dict[int, str]] = {}  # a model's shapes in call order (hash) -> {rows: kernel for all}
+        # a stack of native layers (hash, see native_layer.attach) -> {rows: {"lean": s, "native": s}} for one pass
+        self.layers: dict[str, dict[int, dict[str, float]]] = {}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         self.check_s = 0.0  # time spent re-checking stored choices in this process (reported too)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
@@ -193,6 +195,7 @@ class KernelTable:
             self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored.get("choice", {}).items()}
             self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored.get("timings", {}).items()}
             self.uniform = {m: {int(r): k for r, k in c.items()} for m, c in stored.get("uniform", {}).items()}
+            self.layers = {m: {int(r): t for r, t in c.items()} for m, c in stored.get("layers", {}).items()}
 
     # -- measuring -------------------------------------------------------------------------------------
     def _offered(self, shape: str) -> dict[str, Candidate]:
@@ -219,7 +222,7 @@ class KernelTable:
             self.choice[shape], self.timings[shape] = self._measure(ws, self._offered(shape))
             self._by_rows.pop(shape, None)
         self.measure_s += time.perf_counter() - t0
-        self._save()
+        self.save()
         if stale:
             print(f"[specdec] kernels: the stored choice for {', '.join(stale)} lost its re-check on this machine; "
                   f"measured again ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -279,13 +282,13 @@ class KernelTable:
                 best[name] = min(best[name], (time.perf_counter() - t) / len(operands))
         return best
 
-    def _save(self) -> None:
+    def save(self) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         stored = json.loads(self.path.read_text()) if self.path.exists() else {}
         stored[self.key] = {"candidates": self.signature, "choice": self.choice, "timings": self.timings,
-                            "uniform": self.uniform}
+                            "uniform": self.uniform, "layers": self.layers}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(stored, indent=1))
         os.replace(tmp, self.path)
@@ -306,7 +309,7 @@ class KernelTable:
             passes = {"": [(p, w) for w in weights for p in [self.plan(w, bf16=bf16)[rows]]]}
             for name, cand in self._offered(keys[0]).items():
                 try:  # a kernel that fails on any of the shapes cannot serve them all
-                    ops = [(cand.run, self._operand(name, w)) for w in weights]
+                    ops = [(cand.run, self.operand(name, w)) for w in weights]
                     for (fn, op), w in zip(ops, weights):
                         fn(xs[w.shape[1]], op)
                     passes[name] = [(op, w) for op, w in zip(ops, weights)]
@@ -321,7 +324,7 @@ class KernelTable:
                 found[rows] = winner
         self.uniform[model] = found
         self.measure_s += time.perf_counter() - t0
-        self._save()
+        self.save()
         return found
 
     @staticmethod
@@ -346,7 +349,7 @@ class KernelTable:
         if uniform:
             buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
             names = [uniform.get(b, n) if b is not None else n for b, n in zip(buckets, names)]
-        operands = {n: (self._candidate(n).run, self._operand(n, weight)) for n in set(names) - {"linear"}}
+        operands = {n: (self._candidate(n).run, self.operand(n, weight)) for n in set(names) - {"linear"}}
         return [operands.get(n) for n in names]
 
     def _names(self, shape: str) -> list[str]:
@@ -366,7 +369,7 @@ class KernelTable:
     def _candidate(self, name: str) -> Candidate:
         return self.candidates.get(name) or self.bf16[name]
 
-    def _operand(self, name: str, weight: torch.Tensor) -> Any:
+    def operand(self, name: str, weight: torch.Tensor) -> Any:
         """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
         dropped with the weight."""
         cand = self._candidate(name)
@@ -433,11 +436,14 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
         if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
             lin.forward = _forward(lin, plan)
             patched.append(lin)
+    # then whole layers in one native call where that measures faster than the lean layers with these kernels
+    attached = [fast for mod in modules if lean for fast in native_layer.attach(mod, table)]
     try:
         yield table
     finally:
         for lin in patched:
             del lin.forward
+        native_layer.detach(attached)
 
 
 def _forward(lin: nn.Linear, plan: list[tuple[Kernel, torch.Tensor] | None]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -61,6 +61,7 @@ class LeanLayer(nn.Module):
         # the layer's own modules (norms fused where exact), not registered: they belong to the layer
         self._parts = (_fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm), attn.o_proj,
                        mlp.down_proj, mlp.act_fn)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.covers = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # what the fused stand for
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
@@ -68,6 +69,10 @@ class LeanLayer(nn.Module):
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
         self.scaling = attn.scaling
         self.intermediate = mlp.gate_proj.weight.shape[0]
+        # the same layer in one native call (native_layer.py), attached by measured_kernels where it measured faster:
+        # taken for a batch of one with n rows where native_rows[n]
+        self.native = None
+        self.native_rows: list[bool] = []
 
     @property
     def current(self) -> bool:
@@ -80,6 +85,16 @@ class LeanLayer(nn.Module):
                 cache) -> torch.Tensor:
         """hidden [B, n, H]; rope = `lean_rope` of the model's (cos, sin); mask [B, 1, n, W] additive or None; cache:
         an HF Cache whose `update` stores this call's keys and returns the keys and values to attend -> [B, n, H]."""
+        b, n, _ = hidden.shape
+        if b == 1 and n < len(self.native_rows) and self.native_rows[n] and hidden.dtype == torch.float32:
+            out = self.native(hidden, rope, mask, cache)
+            if out is not None:
+                return out
+        return self.lean_forward(hidden, rope, mask, cache)
+
+    def lean_forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                     cache) -> torch.Tensor:
+        """`forward` in PyTorch ops, whatever the batch."""
         norm1, norm2, o_proj, down_proj, act = self._parts
         b, n, _ = hidden.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
@@ -125,6 +140,11 @@ def lean(layer: nn.Module) -> LeanLayer | None:
     if fast is False or (fast is not None and not fast.current):
         fast = _LEAN[layer] = _build(layer)
     return fast
+
+
+def lean_layers(module: nn.Module) -> list[LeanLayer]:
+    """The lean forwards of `module`'s decoder layers that have one, in order."""
+    return [fast for m in module.modules() if _llama_shaped(m) for fast in [lean(m)] if fast is not None]
 
 
 def decode_linears(module: nn.Module) -> list[nn.Linear]:

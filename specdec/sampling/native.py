@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-SOURCE = Path(__file__).with_name("smallm.c")
+SOURCE = Path(__file__).with_name("smallm.c")  # the products (what the kernel table's signature covers)
+LAYER_SOURCE = Path(__file__).with_name("layer.c")  # a whole decoder layer over them (native_layer.py)
 CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "native"
 # tried in order: the first set the compiler accepts is used (-march=native is not on every compiler and target;
 # without OpenMP the kernel runs on one thread and measurement will rarely pick it, but it stays correct)
@@ -58,7 +59,8 @@ def _cpu_signature() -> str:
 def _build(compiler: str) -> Path | None:
     """The shared library for this CPU, compiled now unless cached; None when no flag set compiles."""
     global build_s
-    source = SOURCE.read_bytes()
+    sources = [SOURCE, LAYER_SOURCE]
+    source = b"".join(s.read_bytes() for s in sources)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -72,7 +74,7 @@ def _build(compiler: str) -> Path | None:
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             out = Path(tmp) / target.name
-            done = compile_library(compiler, flags, SOURCE, out)
+            done = compile_library(compiler, flags, sources, out)
             build_s += time.perf_counter() - t0
             if done is None:
                 return None
@@ -82,11 +84,11 @@ def _build(compiler: str) -> Path | None:
     return None
 
 
-def compile_library(compiler: str, flags: list[str], source: Path, out: Path) -> bool | None:
-    """Compile `source` into the shared library `out` with `flags`: whether it compiled; None when the compiler
+def compile_library(compiler: str, flags: list[str], sources: list[Path], out: Path) -> bool | None:
+    """Compile `sources` into the one shared library `out` with `flags`: whether it compiled; None when the compiler
     could not be run at all."""
     try:
-        done = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(source), "-o", str(out)],
+        done = subprocess.run([compiler, *flags, "-shared", "-fPIC", *map(str, sources), "-o", str(out)],
                               capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -102,7 +104,7 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEC_NATIVE", "1") == "0":
         return None
     compiler = find_compiler()
-    if compiler is None or not SOURCE.exists():
+    if compiler is None or not (SOURCE.exists() and LAYER_SOURCE.exists()):
         return None
     path = _build(compiler)
     if path is None:
@@ -122,6 +124,13 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.smallm_pack_rows.restype = ctypes.c_int
+    layer = getattr(lib, "smallm_layer", None)  # absent from an older revision's library (ab_native.py)
+    if layer is not None:
+        layer.restype = ctypes.c_int
+        layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.smallm_layer_scratch.restype = ctypes.c_long
+        lib.smallm_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 

@@ -1,0 +1,221 @@
+/* One Llama-style decoder layer for a batch of one row, in native code: what specdec/sampling/lean.py's LeanLayer
+computes, in one call instead of ~20 PyTorch ops.
+
+On a 2-core CPU an AR step of SmolLM2-135M spends ~16 of its ~40 ms outside the products: each of the ~15 ops a lean
+layer dispatches per token costs microseconds of framework overhead, 30 layers times over. Here the layer is one
+ctypes call: RMSNorm, the fused q|k|v product, rotary on q and k, the keys and values written into the slot cache,
+attention over the cache window (with the caller's additive mask, or none), the output product and residual, RMSNorm,
+the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernel
+(the weights in its layout), everything else vectorised here. Numbers: the same math as the lean layer in float32,
+summed in another order (native.py checks every layer against the lean one before it is used, and measurement decides
+whether it is used at all: see native_layer.py).
+
+Built into the same library as smallm.c (native.py compiles both). */
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* the vector width smallm.c's packed kernel uses (512 bits with AVX-512, else 256) */
+#if defined(__AVX512F__)
+#define PLANES 16
+#else
+#define PLANES 8
+#endif
+
+void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int O, int threads); /* smallm.c */
+
+/* A layer's fixed parts: pointers into tensors the Python side keeps alive (native_layer.NativeLayer). */
+typedef struct {
+    const float *norm1, *norm2;                  /* [H] RMSNorm weights */
+    const float *qkv, *o, *gate_up, *down;       /* packed copies of the fused products (smallm_pack_rows layout) */
+    float *keys, *values;                        /* this layer's slot cache, [kv_heads, max_len, d] each */
+    int hidden, heads, kv_heads, head_dim, intermediate, max_len;
+    float eps, scaling;
+} layer_t;
+
+typedef float fvec __attribute__((vector_size(PLANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(PLANES * sizeof(int32_t))));
+
+static inline fvec vload(const float *p) {
+    fvec v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float *p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline fvec splat(float f) { return (fvec){0} + f; }
+
+static inline float vsum(fvec v) {
+    float s = 0.f;
+    for (int l = 0; l < PLANES; l++) s += v[l];
+    return s;
+}
+
+/* per lane: a where m is set (all ones), else b */
+static inline fvec select(ivec m, fvec a, fvec b) {
+    ivec ia, ib;
+    __builtin_memcpy(&ia, &a, sizeof ia);
+    __builtin_memcpy(&ib, &b, sizeof ib);
+    const ivec r = (ia & m) | (ib & ~m);
+    fvec out;
+    __builtin_memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp(x) per lane, Cephes' single-precision polynomial (within ~2 ulp of expf); exactly 0 below -87 (a masked
+   score: the additive mask is the dtype's lowest value, and its weight must vanish as in SDPA) */
+static inline fvec vexp(fvec x) {
+    const ivec dead = x < -87.0f;
+    x = select(x > 88.3f, splat(88.3f), select(dead, splat(-87.0f), x));
+    fvec fx = x * 1.44269504088896341f + 0.5f;
+    ivec n = __builtin_convertvector(fx, ivec);                 /* truncates toward zero: floor needs a fix-up */
+    n += (ivec)(__builtin_convertvector(n, fvec) > fx);         /* true is -1 */
+    const fvec fn = __builtin_convertvector(n, fvec);
+    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    fvec y = splat(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    const ivec scale = (n + 127) << 23;                         /* 2^n as a float's bits */
+    fvec p;
+    __builtin_memcpy(&p, &scale, sizeof p);
+    return select(dead, (fvec){0}, y * p);
+}
+
+static float vexp_scalar(float x) {
+    fvec v = vexp(splat(x));
+    return v[0];
+}
+
+/* out [n, H] = RMSNorm(x [n, H]) · w, as F.rms_norm: x · (mean(x²) + eps)^-½ · w */
+static void rms_norm(const float *x, const float *w, float *out, int n, int H, float eps) {
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * H;
+        float *yr = out + (size_t)r * H;
+        fvec acc = {0};
+        int i = 0;
+        for (; i + PLANES <= H; i += PLANES) {
+            const fvec v = vload(xr + i);
+            acc += v * v;
+        }
+        float s = vsum(acc);
+        for (; i < H; i++) s += xr[i] * xr[i];
+        const float inv = 1.0f / __builtin_sqrtf(s / (float)H + eps);
+        for (i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* x [d] rotated in place at one position: x·cos + roll(x, d/2)·sin, sin's first half negated (lean_rope's form) */
+static void rotate(float *x, const float *cos, const float *sin, int d) {
+    float tmp[512];
+    const int half = d / 2;
+    for (int j = 0; j < d; j++) tmp[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
+    __builtin_memcpy(x, tmp, sizeof(float) * d);
+}
+
+/* o [d] = softmax(q·Kᵀ·scaling + mask) · V over the window's `width` slots; scores: `width` floats of scratch */
+static void attend(const float *q, const float *K, const float *V, const float *mask, float *scores, float *o,
+                   int width, int d, float scaling) {
+    float top = -3.4e38f;
+    for (int w = 0; w < width; w++) {
+        const float *k = K + (size_t)w * d;
+        fvec acc = {0};
+        for (int j = 0; j < d; j += PLANES) acc += vload(q + j) * vload(k + j);
+        float s = vsum(acc) * scaling;
+        if (mask) s += mask[w];
+        scores[w] = s;
+        top = s > top ? s : top;
+    }
+    fvec total = {0};
+    int w = 0;
+    for (; w + PLANES <= width; w += PLANES) {
+        const fvec e = vexp(vload(scores + w) - top);
+        vstore(scores + w, e);
+        total += e;
+    }
+    float sum = vsum(total);
+    for (; w < width; w++) {
+        scores[w] = vexp_scalar(scores[w] - top);
+        sum += scores[w];
+    }
+    fvec acc[16] = {{0}};                                       /* d ≤ 16·PLANES */
+    const int parts = d / PLANES;
+    for (w = 0; w < width; w++) {
+        const float *v = V + (size_t)w * d;
+        const float p = scores[w];
+        for (int j = 0; j < parts; j++) acc[j] += vload(v + j * PLANES) * p;
+    }
+    const float inv = 1.0f / sum;
+    for (int j = 0; j < parts; j++) vstore(o + j * PLANES, acc[j] * inv);
+}
+
+/* floats of scratch `smallm_layer` needs for n rows over a window of `width` slots on `threads` threads */
+long smallm_layer_scratch(const layer_t *L, int n, int width, int threads) {
+    const long qkv = (long)(L->heads + 2 * L->kv_heads) * L->head_dim;
+    const long wide = qkv > 2L * L->intermediate ? qkv : 2L * L->intermediate;
+    return (long)n * (2L * L->hidden + wide + (long)L->heads * L->head_dim + L->intermediate) + (long)threads * width;
+}
+
+/* The layer over h [n, H] in place (batch of one). cos, sin [n, d]: lean_rope's tables at the rows' positions;
+   slots [n]: where each row's key and value go in the cache; width: keys attended, slots [0, width); mask [n, width]
+   additive, or NULL when every row sees the whole window; scratch: smallm_layer_scratch(...) floats. Returns 0, or -1
+   for a shape it does not handle (the caller then runs the lean layer). */
+int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const float *sin, const int64_t *slots,
+                 int width, const float *mask, float *scratch, int threads) {
+    const int H = L->hidden, d = L->head_dim, heads = L->heads, kv = L->kv_heads, inter = L->intermediate;
+    if (d % PLANES || d > 16 * PLANES || d > 512 || heads % kv || width > L->max_len) return -1;
+    const int qkv_width = (heads + 2 * kv) * d;
+    float *x = scratch;                                          /* [n, H] normed input */
+    float *y = x + (size_t)n * H;                                /* [n, H] a product's output */
+    float *wide = y + (size_t)n * H;                             /* [n, max(qkv, 2·inter)] */
+    const size_t wide_n = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    float *att = wide + (size_t)n * wide_n;                      /* [n, heads·d] attention output */
+    float *act = att + (size_t)n * heads * d;                    /* [n, inter] SiLU(gate)·up */
+    float *scores = act + (size_t)n * inter;                     /* [threads, width] */
+
+    rms_norm(h, L->norm1, x, n, H, L->eps);
+    smallm_packed(x, L->qkv, wide, n, H, qkv_width, threads);    /* [n, (heads + 2kv)·d]: q | k | v per row */
+    for (int r = 0; r < n; r++) {
+        float *row = wide + (size_t)r * qkv_width;
+        for (int hd = 0; hd < heads + kv; hd++) rotate(row + (size_t)hd * d, cos + (size_t)r * d, sin + (size_t)r * d, d);
+        for (int g = 0; g < kv; g++) {
+            const size_t at = ((size_t)g * L->max_len + (size_t)slots[r]) * d;
+            __builtin_memcpy(L->keys + at, row + (size_t)(heads + g) * d, sizeof(float) * d);
+            __builtin_memcpy(L->values + at, row + (size_t)(heads + kv + g) * d, sizeof(float) * d);
+        }
+    }
+    const int group = heads / kv;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int task = 0; task < heads * n; task++) {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        const int hd = task / n, r = task % n, g = hd / group;
+        attend(wide + (size_t)r * qkv_width + (size_t)hd * d, L->keys + (size_t)g * L->max_len * d,
+               L->values + (size_t)g * L->max_len * d, mask ? mask + (size_t)r * width : NULL,
+               scores + (size_t)t * width, att + (size_t)r * heads * d + (size_t)hd * d, width, d, L->scaling);
+    }
+    smallm_packed(att, L->o, y, n, heads * d, H, threads);
+    for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
+
+    rms_norm(h, L->norm2, x, n, H, L->eps);
+    smallm_packed(x, L->gate_up, wide, n, H, 2 * inter, threads); /* [n, 2·inter]: gate | up per row */
+    for (int r = 0; r < n; r++) {
+        const float *gate = wide + (size_t)r * 2 * inter, *up = gate + inter;
+        float *a = act + (size_t)r * inter;
+        int i = 0;
+        for (; i + PLANES <= inter; i += PLANES) {
+            const fvec gv = vload(gate + i);
+            vstore(a + i, gv / (1.0f + vexp(-gv)) * vload(up + i));
+        }
+        for (; i < inter; i++) a[i] = gate[i] / (1.0f + vexp_scalar(-gate[i])) * up[i];
+    }
+    smallm_packed(act, L->down, y, n, inter, H, threads);
+    for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
+    return 0;
+}

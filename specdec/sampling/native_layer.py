@@ -1,0 +1,239 @@
+"""A lean decoder layer as one native call (layer.c), for a batch of one row on the CPU, where measurement picks it.
+
+The lean layer (lean.py) still dispatches ~15 PyTorch ops per layer and token; on a 2-core CPU that framework overhead
+is ~40 % of a 135M model's AR step. `NativeLayer` runs the same layer (the same fused weights, in smallm.c's packed
+layout, the same slot cache, mask and rotary table) in one ctypes call. It is attached to a LeanLayer by
+`measured_kernels` only where, on this machine, a whole stack of them is faster than the lean layers with their
+measured kernels (`choose`, per row count, cached with the kernel table); anything it does not take (a batch of
+several rows, autograd, another dtype or device, more rows than measured) runs the lean layer as before. Before use,
+each native layer is checked against its lean layer on random tokens, like the lean layer against the HF one."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.sampling import native
+from specdec.sampling.cache import SlotCache
+from specdec.sampling.lean import LeanLayer, lean_layers, lean_rope
+
+if TYPE_CHECKING:
+    from specdec.sampling.kernels import KernelTable
+
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows run the lean layer
+PROMPT = 128  # the cached window the measurement attends over (a short prompt, as make bench's)
+
+
+class _Layer(ctypes.Structure):
+    """layer.c's layer_t."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "qkv", "o", "gate_up", "down", "keys",
+                                                        "values")] + \
+               [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                                   "max_len")] + \
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+
+
+_SCRATCH = torch.empty(0)  # layer.c's working memory, shared by every native layer (they run one after another)
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    global _SCRATCH
+    if _SCRATCH.numel() < floats:
+        _SCRATCH = torch.empty(floats)
+    return _SCRATCH
+
+
+class NativeLayer:
+    """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> its packed copy."""
+
+    def __init__(self, fast: LeanLayer, operand):
+        self.fast = fast
+        norm1, norm2, o_proj, down_proj, act = fast._parts
+        self.lib = native._library()
+        self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
+        self.packed = [operand(w) for w in self.weights]  # kept alive: layer.c reads them by address
+        s = self.struct = _Layer()
+        s.hidden, s.heads, s.kv_heads = fast.qkv.weight.shape[1], fast.heads, fast.kv_heads
+        s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
+        s.qkv, s.o, s.gate_up, s.down = (p.blocks.data_ptr() for p in self.packed)
+        (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
+        self._cache: tuple[int, int] | None = None  # (id of the SlotLayer's keys, max_len) the struct points at
+
+    @staticmethod
+    def supports(fast: LeanLayer) -> bool:
+        """Whether layer.c computes this lean layer: float32 on the CPU, no biases, SiLU, RMSNorms of F.rms_norm's
+        formula. (Its output is then compared with the lean layer's: `agrees`.)"""
+        norm1, norm2, o_proj, down_proj, act = fast._parts
+        weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
+        return (native.available() and hasattr(native._library(), "smallm_layer")
+                and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+                and all(l.bias is None for l in (fast.qkv, o_proj, fast.gate_up, down_proj))
+                and _is_silu(act) and fast.head_dim % 16 == 0 and fast.head_dim <= 128
+                # both norms lean as F.rms_norm (lean._fused_norm kept the module itself where that formula differs)
+                and all(f is not m for f, m in zip((norm1, norm2), fast.norms)))
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                 cache: SlotCache) -> torch.Tensor | None:
+        """The layer over hidden [1, n, H] as LeanLayer.forward takes it, or None where layer.c does not take the call."""
+        _, n, h = hidden.shape
+        keys, values = cache.buffers(self.fast.layer_idx, hidden, self.fast.kv_heads, self.fast.head_dim)
+        s = self.struct
+        if self._cache != (id(keys), keys.shape[2]):
+            s.keys, s.values, s.max_len = keys.data_ptr(), values.data_ptr(), keys.shape[2]
+            self._cache = (id(keys), keys.shape[2])
+        width = cache.width
+        slots = cache.write_slots.reshape(n).contiguous()
+        cos, sin = (t.reshape(n, -1).contiguous() for t in rope)
+        m = None if mask is None else mask.reshape(n, width).contiguous()
+        threads = torch.get_num_threads()
+        out = hidden.contiguous().clone()  # written in place (the input may be kept: feature layers)
+        scratch = _scratch(self.lib.smallm_layer_scratch(ctypes.byref(s), n, width, threads))
+        done = self.lib.smallm_layer(ctypes.byref(s), out.data_ptr(), n, cos.data_ptr(), sin.data_ptr(),
+                                     slots.data_ptr(), width, None if m is None else m.data_ptr(),
+                                     scratch.data_ptr(), threads)
+        return out if done == 0 else None
+
+
+def _is_silu(act) -> bool:
+    probe = torch.linspace(-20, 20, 101)
+    try:
+        return torch.equal(act(probe), F.silu(probe))
+    except Exception:  # noqa: BLE001 — an activation that cannot run on a float32 CPU vector is not SiLU
+        return False
+
+
+def build(fast: LeanLayer, operand) -> NativeLayer | None:
+    """The native form of a lean layer, checked against it (`agrees`), or None where layer.c cannot take it."""
+    if not NativeLayer.supports(fast):
+        return None
+    layer = NativeLayer(fast, operand)
+    return layer if agrees(layer) else None
+
+
+@torch.no_grad()
+def agrees(layer: NativeLayer, n: int = 3) -> bool:
+    """Whether the native layer gives the lean layer's output on n random tokens after a few cached ones (causal
+    mask) and on one token that sees the whole window (no mask)."""
+    fast = layer.fast
+    w = fast.qkv.weight
+    g = torch.Generator().manual_seed(0)
+    past = 5
+    for rows, masked in ((n, True), (1, False)):
+        hidden = torch.randn(1, rows, w.shape[1], generator=g)
+        angle = torch.randn(1, rows, fast.head_dim // 2, generator=g).repeat(1, 1, 2)
+        rope = lean_rope(angle.cos(), angle.sin())
+        width = past + rows
+        mask = None
+        if masked:
+            allowed = torch.ones(rows, width, dtype=torch.bool).tril(past)
+            mask = torch.zeros(1, 1, rows, width).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        history = torch.randn(1, fast.kv_heads, past, fast.head_dim, generator=g)
+        outs = []
+        for run in (fast.lean_forward, layer):
+            cache = SlotCache(width)
+            cache.write_slots, cache.write_start, cache.width = torch.arange(past)[None], 0, past
+            cache.update(history, -history, fast.layer_idx)  # the same earlier keys and values for both
+            cache.write_slots, cache.write_start, cache.width = torch.arange(past, width)[None], past, width
+            outs.append(run(hidden, rope, mask, cache))
+        ref, got = outs
+        if got is None or not bool(torch.isfinite(got).all()):
+            return False
+        if float((got - ref).abs().max()) > 1e-4 * float(ref.abs().max()):
+            return False
+    return True
+
+
+@torch.no_grad()
+def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] = ROWS) -> dict[int, dict[str, float]]:
+    """{rows: {"lean": s, "native": s}} for each row count of ROWS: seconds of a pass through all of the layers (a
+    model's stack, in order) over `rows` new tokens after PROMPT cached ones, each way, interleaved, best of `reps`
+    (the lean layers with whatever kernels are patched in at the time of the call)."""
+    w = natives[0].fast.qkv.weight
+    g = torch.Generator().manual_seed(0)
+    found = {}
+    for rows in counts:
+        width = PROMPT + rows
+        hidden = torch.randn(1, rows, w.shape[1], generator=g) * 0.1
+        angle = torch.randn(1, rows, natives[0].fast.head_dim // 2, generator=g).repeat(1, 1, 2)
+        rope = lean_rope(angle.cos(), angle.sin())
+        allowed = torch.ones(rows, width, dtype=torch.bool).tril(PROMPT)
+        mask = None if rows == 1 else torch.zeros(1, 1, rows, width).masked_fill_(
+            ~allowed, torch.finfo(torch.float32).min)
+        cache = SlotCache(width)
+        cache.write_slots, cache.write_start, cache.width = torch.arange(PROMPT, width)[None], PROMPT, width
+        best = {"lean": float("inf"), "native": float("inf")}
+        for rep in range(reps + 1):  # the first pass of each is a warm-up, not kept
+            for way in best:
+                t = time.perf_counter()
+                x = hidden
+                for layer in natives:
+                    x = layer(x, rope, mask, cache) if way == "native" else layer.fast.lean_forward(x, rope, mask,
+                                                                                                   cache)
+                if rep:
+                    best[way] = min(best[way], time.perf_counter() - t)
+        found[rows] = best
+    return found
+
+
+# LeanLayer -> its NativeLayer (or None where it has none), built once and kept while its packed weights are current
+_BUILT: weakref.WeakKeyDictionary[LeanLayer, NativeLayer | None] = weakref.WeakKeyDictionary()
+RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this factor at one row is measured again
+
+
+def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
+    """Give `module`'s lean layers their native form at the row counts where a pass through the stack of them
+    measured faster native (measured once per machine and stack, stored in `table`, and re-checked once per process
+    at one row). Returns the layers it attached to (for `detach`); a layer already attached (nested use) is left."""
+    fasts = [f for f in lean_layers(module) if f.native is None]
+    natives = [n for n in map(lambda f: _native(f, table), fasts) if n is not None]
+    if not natives:
+        return []
+    shapes = " ".join(f"{tuple(w.shape)}" for n in natives for w in n.weights)
+    key = hashlib.sha1((shapes + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
+    t0 = time.perf_counter()
+    times = table.layers.get(key)
+    if times is not None and key not in _CHECKED:  # once per process: does the stored choice still hold at 1 row?
+        _CHECKED.add(key)
+        fresh = measure(natives, reps=1, counts=(1,))[1]
+        stored = min(times[1], key=times[1].get)
+        if fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
+            times = None
+    if times is None:
+        times = table.layers[key] = measure(natives)
+        table.save()
+    _CHECKED.add(key)
+    table.measure_s += time.perf_counter() - t0
+    # per row count 0..max(ROWS): the next measured count up decides
+    rows = [False] + [times[min(r for r in ROWS if r >= n)]["native"] < times[min(r for r in ROWS if r >= n)]["lean"]
+                      for n in range(1, max(ROWS) + 1)]
+    if not any(rows):
+        return []
+    for layer in natives:
+        layer.fast.native, layer.fast.native_rows = layer, rows
+    return [layer.fast for layer in natives]
+
+
+_CHECKED: set[str] = set()
+
+
+def detach(fasts: list[LeanLayer]) -> None:
+    for fast in fasts:
+        fast.native, fast.native_rows = None, []
+
+
+def _native(fast: LeanLayer, table: KernelTable) -> NativeLayer | None:
+    """The lean layer's NativeLayer over the table's packed copies of its weights (shared with the products' kernel
+    where that is the packed one), built and checked once, again if a weight changed."""
+    operand = lambda w: table.operand("native_packed", w)  # noqa: E731
+    have = _BUILT.get(fast, False)
+    if have is False or (have is not None and any(operand(w) is not p for w, p in zip(have.weights, have.packed))):
+        have = _BUILT[fast] = build(fast, operand)
+    return have

@@ -1,0 +1,175 @@
+"""A decoder layer in one native call (specdec/sampling/layer.c via native_layer.py): the lean layer's numbers, greedy
+identity whenever it runs (plain decoding, chains, trees, a drafter's own layers), attached only where measurement
+picks it, and the lean layer wherever it is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from specdec.base import LAST, load_base, tiny_base
+from specdec.drafters.early_exit import EarlyExit
+from specdec.sampling import native, native_layer
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import CANDIDATES, KernelTable, measured_kernels
+from specdec.sampling.lean import lean, lean_layers
+
+needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+                                    reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def base():
+    # head_dim 16 (layer.c takes multiples of the vector width); its own: lean re-points the layers' weights
+    return tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Measurement always picks the native layers; yields the count of native calls that ran."""
+    calls = []
+    call = native_layer.NativeLayer.__call__
+
+    def counted(self, *args):
+        out = call(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayer, "__call__", counted)
+    monkeypatch.setattr(native_layer, "measure",
+                        lambda natives, reps=3, counts=native_layer.ROWS: {r: {"lean": 2.0, "native": 1.0}
+                                                                             for r in counts})
+    return calls
+
+
+def table() -> KernelTable:
+    return KernelTable(None, rows=(1, 2, 4, 8, 16))  # measured afresh, stored nowhere
+
+
+def run(base, native_on: bool, prompt: list[int], tree: bool):
+    """Prefill then one verify (a chain token or a 2-branch tree) through the context, with or without native layers;
+    the verify's hidden state and features."""
+    with measured_kernels(base, table=table()) if native_on else torch.no_grad():
+        ctx = SamplingContext(base, 1, 64)
+        with torch.no_grad():
+            ctx.commit_layout(len(prompt))
+            ctx.base_forward(torch.tensor([prompt]))
+            ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
+            if tree:  # root, two children of it, a grandchild of the second
+                visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+                ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
+            else:
+                ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
+            tokens = torch.tensor([[7, 8, 9, 10][: 4 if tree else 1]])
+            return ctx.base_forward(tokens, feature_layers=(0, 2, LAST))
+
+
+@needs_compiler
+@pytest.mark.parametrize("tree", [False, True])
+def test_native_layers_give_the_lean_numbers(base, forced, tree):
+    prompt = list(range(20, 41))
+    ref, ref_feats = run(base, False, prompt, tree)
+    got, feats = run(base, True, prompt, tree)
+    assert forced and all(forced)  # every layer of the prefill and the verify ran natively
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for layer in (0, 2, LAST):  # the inputs the layers were given are kept as they were (written in place: a copy)
+        torch.testing.assert_close(feats[layer], ref_feats[layer], rtol=1e-5, atol=1e-5)
+    assert all(fast.native is None for fast in lean_layers(base))  # detached on leaving measured_kernels
+
+
+@needs_compiler
+@pytest.mark.parametrize("kw", [dict(), dict(gamma=3),
+                                dict(tree="dynamic", dynamic_depth=2, dynamic_topk=2, dynamic_budget=4)])
+def test_decoding_is_greedy_identical_with_native_layers(base, forced, kw):
+    """Plain decoding, a chain and a tree, drafted by an early exit whose own block runs natively too: the same tokens
+    and acceptances as the lean layers with PyTorch's products; for a batch of one, and a batch of two (which runs
+    the lean layers while both rows decode)."""
+    drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval() if kw else None
+    if drafter is not None:
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    for prompts in ([list(range(30, 49))], [list(range(30, 39)), list(range(50, 54))]):
+        cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], **kw)
+        stock = generate(base, prompts, drafter, dataclasses.replace(cfg, cpu_kernels="stock"))
+        forced.clear()
+        with measured_kernels(base, *([drafter] if drafter else []), table=table()):
+            fast = generate(base, prompts, drafter, cfg)
+        assert fast.tokens.tolist() == stock.tokens.tolist()
+        assert fast.accepted == stock.accepted
+        assert all(forced) and (forced or len(prompts) > 1)  # batch of one: ran natively
+    if drafter is not None:
+        assert lean(drafter.exits[0].blocks[0]).native is None  # its block was attached while decoding, and detached
+
+
+@needs_compiler
+def test_chosen_by_measurement_and_stored(base, monkeypatch):
+    """The lean layers stay where the native ones measure slower; the timings are stored with the kernel table, and a
+    later process re-checks them once (at one row) instead of measuring every row count again."""
+    verdict = {"lean": 1.0, "native": 2.0}
+    measured = []
+
+    def fake(natives, reps=3, counts=native_layer.ROWS):
+        measured.append(counts)
+        return {r: dict(verdict) for r in counts}
+
+    monkeypatch.setattr(native_layer, "measure", fake)
+    t = table()
+    assert native_layer.attach(base, t) == [] and all(f.native is None for f in lean_layers(base))
+    assert measured == [native_layer.ROWS] and len(t.layers) == 1
+    verdict.update(native=0.5)  # now faster: the stored choice loses its re-check by more than RECHECK_FACTOR
+    monkeypatch.setattr(native_layer, "_CHECKED", set())  # a new process
+    attached = native_layer.attach(base, t)
+    assert measured[1] == (1,) and measured[2] == native_layer.ROWS  # re-checked, then measured again
+    assert len(attached) == base.num_layers and all(f.native_rows[1] for f in attached)
+    native_layer.detach(attached)
+    assert native_layer.attach(base, t) and len(measured) == 3  # checked once per process: no more measuring
+    native_layer.detach(lean_layers(base))
+
+
+@pytest.mark.parametrize("how", ["switched off", "an older library"])
+def test_without_the_layer_kernel_the_lean_layers_run(base, monkeypatch, tmp_path, how):
+    if how == "switched off":
+        monkeypatch.setattr(native, "CACHE", tmp_path / "native")
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        native._load.cache_clear()
+    else:  # a library built from a source without the layer (native.open_library leaves its signature unset)
+        monkeypatch.setattr(native, "_library", lambda: object())
+    try:
+        assert native_layer.attach(base, table()) == []
+        prompts = [list(range(30, 49))]
+        cfg = SamplerConfig(max_new_tokens=8, eos_token_id=[], cpu_kernels="stock")
+        stock = generate(base, prompts, None, cfg)
+        with measured_kernels(base, table=KernelTable(None, candidates={"linear": CANDIDATES["linear"]})):
+            assert all(f.native is None for f in lean_layers(base))
+            assert generate(base, prompts, None, cfg).tokens.tolist() == stock.tokens.tolist()
+    finally:
+        native._load.cache_clear()
+
+
+@needs_compiler
+def test_layers_it_does_not_compute_are_refused(base):
+    fast = lean(base.layers[0])
+    assert native_layer.build(fast, native.pack) is not None
+    odd = tiny_base(num_layers=1)  # head_dim 8: not a multiple of the vector width
+    assert native_layer.build(lean(odd.layers[0]), native.pack) is None
+    wrong = native_layer.NativeLayer(fast, native.pack)
+    wrong.struct.eps = 0.5  # a layer whose numbers differ from its lean layer's is not used
+    assert not native_layer.agrees(wrong)
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
+    base = load_base(device="cpu")
+    ids = base.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                         return_tensors="pt").input_ids
+    hf = base.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    with measured_kernels(base, table=table()):
+        ours = generate(base, ids.tolist(), None, SamplerConfig(max_new_tokens=24, eos_token_id=[]))
+    assert forced and all(forced)
+    assert ours.tokens[0].tolist() == hf.tolist()
