@@ -1,5 +1,6 @@
-"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels,
-PyTorch's stock ones, and each decoder layer's own HF forward instead of the lean one) vs HF `generate`; the
+"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels and
+native layers, the lean layers in PyTorch ops, PyTorch's stock kernels, and each decoder layer's own HF forward
+instead of the lean one) vs HF `generate`; the
 verify-cost curve v(n) = T_n / T_1 for n = 1..32; where a forward's time goes at each n (the products alone against
 their roofline, and the rest); and the memory-bandwidth and compute roofs of this machine.
 
@@ -27,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.sampling import native  # noqa: E402
+from specdec.sampling import native, native_layer  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
@@ -37,12 +38,12 @@ from specdec.sampling.lean import decode_linears  # noqa: E402
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
-def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured",
-             lean: bool = True) -> tuple[int, float, float]:
+def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured", lean: bool = True,
+             native_layers: bool = True) -> tuple[int, float, float]:
     """(tokens, total s, decode s): decode = after the prefill and its first token, the part the bandwidth bound
     is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
     r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels,
-                                                     lean=lean))
+                                                     lean=lean, native_layers=native_layers))
     return r.num_generated[0], r.total_s, r.decode_s
 
 
@@ -108,11 +109,12 @@ def gemm_curve(base, ns: list[int], reps: int = 5) -> dict[int, float]:
 
 
 def step_split(base, prompt: list[int], steps: int = 10) -> dict[str, float]:
-    """Milliseconds per AR step (one token through the base + lm_head, measured kernels) in GEMM ops vs the rest,
-    from torch.profiler's self CPU time."""
+    """Milliseconds per AR step (one token through the base + lm_head, measured kernels, the lean layers in PyTorch
+    ops: a native layer is one opaque call to the profiler) in GEMM ops vs the rest, from torch.profiler's self CPU
+    time."""
     from torch.profiler import profile
 
-    with measured_kernels(base):
+    with measured_kernels(base, native_layers=False):
         ctx = SamplingContext(base, 1, len(prompt) + steps + 8)
         ctx.commit_layout(len(prompt))
         ctx.base_forward(torch.tensor([prompt]))
@@ -165,11 +167,14 @@ def main() -> None:
                                                                   cpu_kernels="stock")).tokens[0]
     hf_layers_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
                                                                       lean=False)).tokens[0]
+    lean_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
+                                                                 native_layers=False)).tokens[0]
     hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
 
-    runners = {"ours": run_ours, "ours_stock": lambda *a: run_ours(*a, kernels="stock"),
+    runners = {"ours": run_ours, "ours_lean": lambda *a: run_ours(*a, native_layers=False),
+               "ours_stock": lambda *a: run_ours(*a, kernels="stock"),
                "ours_hf_layers": lambda *a: run_ours(*a, lean=False), "hf": run_hf}
     rows = {name: [] for name in runners}
     for i, p in enumerate(prompts):
@@ -187,13 +192,15 @@ def main() -> None:
     (ours_mean, ours_pool), (hf_mean, hf_pool) = stats(rows["ours"]), stats(rows["hf"])
     ours_decode, hf_decode = decode_rate(rows["ours"]), decode_rate(rows["hf"])
     stock_mean, hf_layers_mean = stats(rows["ours_stock"])[0], stats(rows["ours_hf_layers"])[0]
+    lean_mean = stats(rows["ours_lean"])[0]
 
     ns = list(range(1, args.max_n + 1))
     costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
+    lean_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), native_layers=False)
     stock_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), cpu_kernels="stock")
     hf_layers_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), lean=False)
     curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
-    hf_layers_curve = verify_curve(hf_layers_costs)
+    hf_layers_curve, lean_curve = verify_curve(hf_layers_costs), verify_curve(lean_costs)
     split = step_split(base, prompts[0]) if dev.type == "cpu" else None  # CPU time says little of a GPU's step
     bandwidth = read_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
@@ -211,16 +218,19 @@ def main() -> None:
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.cpu().tolist(),
                              "stock": stock_toks.tolist() == hf_toks.cpu().tolist(),
-                             "hf_layers": hf_layers_toks.tolist() == hf_toks.cpu().tolist()},
-        "ar_tok_s": round(ours_mean, 2), "ar_stock_tok_s": round(stock_mean, 2),
+                             "hf_layers": hf_layers_toks.tolist() == hf_toks.cpu().tolist(),
+                             "lean_layers": lean_toks.tolist() == hf_toks.cpu().tolist()},
+        "ar_tok_s": round(ours_mean, 2), "ar_lean_tok_s": round(lean_mean, 2), "ar_stock_tok_s": round(stock_mean, 2),
         "ar_hf_layers_tok_s": round(hf_layers_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
         "ar_pooled_tok_s": round(ours_pool, 2), "hf_generate_pooled_tok_s": round(hf_pool, 2),
         "ar_vs_hf_generate": round(ours_mean / hf_mean, 3),
         "ar_decode_tok_s": round(ours_decode, 2), "hf_generate_decode_tok_s": round(hf_decode, 2),
         "ar_decode_vs_hf_generate": round(ours_decode / hf_decode, 3),
-        "t1_ms": round(costs[1] * 1e3, 2), "t1_stock_ms": round(stock_costs[1] * 1e3, 2),
+        "t1_ms": round(costs[1] * 1e3, 2), "t1_lean_ms": round(lean_costs[1] * 1e3, 2),
+        "t1_stock_ms": round(stock_costs[1] * 1e3, 2),
         "t1_hf_layers_ms": round(hf_layers_costs[1] * 1e3, 2),
         "verify_cost": {n: round(v, 3) for n, v in curve.items()},
+        "verify_cost_lean": {n: round(v, 3) for n, v in lean_curve.items()},
         "verify_cost_stock": {n: round(v, 3) for n, v in stock_curve.items()},
         "verify_cost_hf_layers": {n: round(v, 3) for n, v in hf_layers_curve.items()},
         "step_split": split,
@@ -235,6 +245,8 @@ def main() -> None:
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
         "native_built": native.available(), "native_build_s": round(native.build_s, 2),
         "kernel_choice": default_table().choice,
+        # the base's 30 layers, one pass each way at n rows (native_layer.measure, as stored with the kernel table)
+        "native_layer_ms": native_layers_ms(base),
         "command": command,
     }
     out = Path(args.out)
@@ -244,6 +256,17 @@ def main() -> None:
     (out / "bench.md").write_text(md)
     plot(report, out / "bench.png")
     print(md)
+
+
+def native_layers_ms(base) -> dict[int, dict[str, float]]:
+    """{rows: {"lean": ms, "native": ms}}: one pass through the base's layer stack each way, as the sampler measures
+    it to choose (native_layer.measure; empty where no native layer is built, e.g. on a GPU or without a compiler)."""
+    if base.device.type != "cpu":
+        return {}
+    with measured_kernels(base, native_layers=False) as table:
+        layers = native_layer.stack(base, table)
+        times = native_layer.measure(layers) if layers else {}
+    return {r: {way: round(t * 1e3, 2) for way, t in ways.items()} for r, ways in times.items()}
 
 
 def on_cpu(r: dict) -> bool:
@@ -257,11 +280,15 @@ def render(r: dict) -> str:
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
              f"transformers {r['transformers']}. Greedy tokens identical to HF generate: "
              f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}, "
-             f"HF layers {r['greedy_identical']['hf_layers']}.", "",
+             f"HF layers {r['greedy_identical']['hf_layers']}, lean layers in PyTorch ops "
+             f"{r['greedy_identical'].get('lean_layers')}.", "",
              "| method | tok/s (mean over prompts) | vs HF generate |", "|---|---|---|",
-             f"| AR, our sampler (measured kernels) | {r['ar_tok_s']:.1f} | {r['ar_vs_hf_generate']:.2f}× |",
+             f"| AR, our sampler (measured kernels, native layers) | {r['ar_tok_s']:.1f} | "
+             f"{r['ar_vs_hf_generate']:.2f}× |",
              f"| … decode only (after the prefill and first token) | {r['ar_decode_tok_s']:.1f} | "
              f"{r['ar_decode_vs_hf_generate']:.2f}× (HF generate {r['hf_generate_decode_tok_s']:.1f}) |",
+             *([f"| AR, our sampler, native_layers=false (the lean layers in PyTorch ops) | {r['ar_lean_tok_s']:.1f} | "
+                f"{r['ar_lean_tok_s'] / r['hf_generate_tok_s']:.2f}× |"] if "ar_lean_tok_s" in r else []),
              f"| AR, our sampler, cpu_kernels=stock | {r['ar_stock_tok_s']:.1f} | "
              f"{r['ar_stock_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
              f"| AR, our sampler, lean=false (each layer's HF forward) | {r['ar_hf_layers_tok_s']:.1f} | "
@@ -271,31 +298,51 @@ def render(r: dict) -> str:
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it "
              f"end to end and {r['ar_decode_share_of_bound']:.0%} in decode (the bound is per decode step; the prefill "
              "is compute-bound and not in it).",
-             "", (f"One AR step (profiled, measured kernels): {split['step_ms_profiled']:.1f} ms; GEMM "
+             "", (f"One AR step (profiled, measured kernels, lean layers in PyTorch ops): "
+                  f"{split['step_ms_profiled']:.1f} ms; GEMM "
                   f"{split['gemm_ms']:.1f} ms ({split['gemm_share']:.0%}), everything else {split['other_ms']:.1f} ms."
                   if split else "One AR step: not profiled on a GPU (CPU time would count kernel launches only)."), "",
-             f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels, {r['t1_stock_ms']:.1f} ms "
-             f"stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n chain tokens, lm_head "
-             "included):",
+             f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels and native layers, "
+             + (f"{r['t1_lean_ms']:.1f} ms lean layers in PyTorch ops, " if "t1_lean_ms" in r else "")
+             + f"{r['t1_stock_ms']:.1f} ms stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n "
+             "chain tokens, lm_head included; native layers are measured up to 16 rows, past that the lean ones run):",
              "",
              "| n | " + " | ".join(str(n) for n in r["verify_cost"]) + " |",
              "|---" * (len(r["verify_cost"]) + 1) + "|",
              "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
+             *(["| v(n), lean layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_lean"].values()) + " |"]
+               if "verify_cost_lean" in r else []),
              "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |",
              "| v(n), HF layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_hf_layers"].values()) + " |",
              "| GEMM ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_ms"].values()) + " |",
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
              f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
-             f"n rows each. GEMM roofline: max(the weights streamed once at the read bandwidth, 2·n·params flops at "
-             f"{r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). rest = T_n − GEMM.", "",
+             f"n rows each, called one by one from Python. GEMM roofline: max(the weights streamed once at the read "
+             f"bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
+             f"rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
+             f"those calls from Python).", "",
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s. "
              f"Native small-M kernel (specdec/sampling/smallm.c): "
              + (f"built, compiled in {r['native_build_s']:.2f} s in this run (0 when cached)."
-                if r.get("native_built") else "not built on this machine (no compiler): a candidate fewer."), ""]
+                if r.get("native_built") else "not built on this machine (no compiler): a candidate fewer."), "",
+             *native_layer_lines(r)]
     return "\n".join(lines)
+
+
+def native_layer_lines(r: dict) -> list[str]:
+    layers = r.get("native_layer_ms")
+    if not layers:
+        return ["Native layers (specdec/sampling/layer.c): none built here." if "native_layer_ms" in r else ""]
+    return ["Native layers (specdec/sampling/layer.c, one call per decoder layer): the base's layer stack, one pass "
+            "each way over n new tokens after 128 cached ones (ms; `native_layer.measure`, what the sampler chooses "
+            "by, per n):", "",
+            "| n | " + " | ".join(str(n) for n in layers) + " |", "|---" * (len(layers) + 1) + "|",
+            "| lean layers (PyTorch ops, measured kernels) | " + " | ".join(f"{t['lean']:.1f}" for t in layers.values())
+            + " |",
+            "| native layers | " + " | ".join(f"{t['native']:.1f}" for t in layers.values()) + " |", ""]
 
 
 def plot(r: dict, path: Path) -> None:
@@ -306,7 +353,9 @@ def plot(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = [int(n) for n in r["verify_cost"]]
-    ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"measured kernels (T_1 {r['t1_ms']:.1f} ms)")
+    ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"native layers (T_1 {r['t1_ms']:.1f} ms)")
+    if "verify_cost_lean" in r:
+        ax.plot(ns, list(r["verify_cost_lean"].values()), "d-.", label=f"lean layers (T_1 {r['t1_lean_ms']:.1f} ms)")
     ax.plot(ns, list(r["verify_cost_stock"].values()), "s--", label=f"stock (T_1 {r['t1_stock_ms']:.1f} ms)")
     ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:",
             label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")

@@ -103,7 +103,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     def time_costs(reps: int) -> None:
         for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
-                                  cpu_kernels=sampler.cpu_kernels, lean=sampler.lean).items():
+                                  cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
+                                  native_layers=sampler.native_layers).items():
             cost_times[n].extend(t)
 
     if cost_times:

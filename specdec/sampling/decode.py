@@ -48,6 +48,9 @@ class SamplerConfig:
     adaptive_decay: float = 0.9
     cpu_kernels: str = "measured"  # CPU only: measured = fastest matmul kernel per shape and rows (kernels.py); stock
     lean: bool = True  # Llama-style decoder layers through the lean forward (lean.py); False: each layer's HF forward
+    # CPU, measured kernels, lean: a lean layer as one native call (native_layer.py) where that measures faster on this
+    # machine, for a batch of one; False: the lean layers in PyTorch ops
+    native_layers: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
@@ -273,9 +276,10 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     curve = None
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
-        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean)
+        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
-    with measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16) if fast else nullcontext():
+    with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers) if fast
+          else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 

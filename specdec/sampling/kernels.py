@@ -408,14 +408,15 @@ def default_table() -> KernelTable:
 
 @contextmanager
 def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean: bool = True,
-                     bf16: Collection[nn.Module] = ()) -> Iterator[KernelTable]:
+                     bf16: Collection[nn.Module] = (), native_layers: bool = True) -> Iterator[KernelTable]:
     """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
     shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`).
     lean: the decoder layers run by specdec.sampling.lean multiply through their fused q|k|v and gate|up linears,
     so those are patched (and measured) instead of the five they stand for. Each module's products are then
     arbitrated as a whole (`table.arbitrate`, once per machine and model). bf16: those of `modules` (drafters) whose
     linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
-    lm_head) stays exact."""
+    lm_head) stays exact. native_layers (with lean): each module's lean layers also run as one native call each where
+    a pass through them measures faster so (native_layer.attach, after the products are patched)."""
     table = table or default_table()
     groups = []  # (a module's linears, whether they may take the BF16 candidates)
     for mod in modules:
@@ -437,7 +438,7 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
             lin.forward = _forward(lin, plan)
             patched.append(lin)
     # then whole layers in one native call where that measures faster than the lean layers with these kernels
-    attached = [fast for mod in modules if lean for fast in native_layer.attach(mod, table)]
+    attached = [fast for mod in modules if lean and native_layers for fast in native_layer.attach(mod, table)]
     try:
         yield table
     finally:

@@ -65,7 +65,6 @@ class NativeLayer:
         s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
         s.qkv, s.o, s.gate_up, s.down = (p.blocks.data_ptr() for p in self.packed)
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
-        self._cache: tuple[int, int] | None = None  # (id of the SlotLayer's keys, max_len) the struct points at
 
     @staticmethod
     def supports(fast: LeanLayer) -> bool:
@@ -82,13 +81,14 @@ class NativeLayer:
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                  cache: SlotCache) -> torch.Tensor | None:
-        """The layer over hidden [1, n, H] as LeanLayer.forward takes it, or None where layer.c does not take the call."""
-        _, n, h = hidden.shape
+        """The layer over hidden [1, n, H] as LeanLayer.forward takes it, or None where layer.c does not take the
+        call (the caller then runs the lean layer)."""
+        n = hidden.shape[1]
         keys, values = cache.buffers(self.fast.layer_idx, hidden, self.fast.kv_heads, self.fast.head_dim)
+        if not (keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()):
+            return None
         s = self.struct
-        if self._cache != (id(keys), keys.shape[2]):
-            s.keys, s.values, s.max_len = keys.data_ptr(), values.data_ptr(), keys.shape[2]
-            self._cache = (id(keys), keys.shape[2])
+        s.keys, s.values, s.max_len = keys.data_ptr(), values.data_ptr(), keys.shape[2]
         width = cache.width
         slots = cache.write_slots.reshape(n).contiguous()
         cos, sin = (t.reshape(n, -1).contiguous() for t in rope)
@@ -192,8 +192,7 @@ def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
     """Give `module`'s lean layers their native form at the row counts where a pass through the stack of them
     measured faster native (measured once per machine and stack, stored in `table`, and re-checked once per process
     at one row). Returns the layers it attached to (for `detach`); a layer already attached (nested use) is left."""
-    fasts = [f for f in lean_layers(module) if f.native is None]
-    natives = [n for n in map(lambda f: _native(f, table), fasts) if n is not None]
+    natives = [n for n in stack(module, table) if n.fast.native is None]
     if not natives:
         return []
     shapes = " ".join(f"{tuple(w.shape)}" for n in natives for w in n.weights)
@@ -229,11 +228,16 @@ def detach(fasts: list[LeanLayer]) -> None:
         fast.native, fast.native_rows = None, []
 
 
-def _native(fast: LeanLayer, table: KernelTable) -> NativeLayer | None:
-    """The lean layer's NativeLayer over the table's packed copies of its weights (shared with the products' kernel
-    where that is the packed one), built and checked once, again if a weight changed."""
+def stack(module: nn.Module, table: KernelTable) -> list[NativeLayer]:
+    """The native forms of `module`'s lean layers that have one, in order, over the table's packed copies of their
+    weights (shared with the products' kernel where that is the packed one): built and checked once, and again if a
+    weight changed."""
     operand = lambda w: table.operand("native_packed", w)  # noqa: E731
-    have = _BUILT.get(fast, False)
-    if have is False or (have is not None and any(operand(w) is not p for w, p in zip(have.weights, have.packed))):
-        have = _BUILT[fast] = build(fast, operand)
-    return have
+    out = []
+    for fast in lean_layers(module):
+        have = _BUILT.get(fast, False)
+        if have is False or (have is not None and any(operand(w) is not p for w, p in zip(have.weights, have.packed))):
+            have = _BUILT[fast] = build(fast, operand)
+        if have is not None:
+            out.append(have)
+    return out

@@ -48,7 +48,7 @@ def stream(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig = Sampler
     if not prompt_ids:  # nothing left to answer (a resumed run that is complete): nothing to yield
         return
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
-    with measured_kernels(base, lean=cfg.lean) if fast else nullcontext():
+    with measured_kernels(base, lean=cfg.lean, native_layers=cfg.native_layers) if fast else nullcontext():
         yield from _stream(base, prompt_ids, cfg, batch_size, generators, refill_at)
 
 
