@@ -1,8 +1,10 @@
 """The small-M product of smallm.c, built on first use by this machine's C compiler for this machine's CPU: one more
-candidate for the kernel table (kernels.py), used where measurement on this machine picks it.
+candidate for the kernel table (kernels.py), used where measurement on this machine picks it; and, in the same library,
+a whole lean decoder layer over that product (layer.c, used through native_layer.py where measurement picks it).
 
-(A native RMSNorm and a native attention over the cached window were tried too: the norm saved ~9 µs a call, about
-0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x, scalar expf being the likely cause; neither is kept.)
+(A native RMSNorm and a native attention called one op at a time were tried first: the norm saved ~9 µs a call, about
+0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x with scalar expf. What pays is the whole layer in one
+call, with a vectorised exp: the ~15 ops' dispatch per layer is what a step lost.)
 
 No compiler, a flag it rejects, a library that does not load: `available()` is then False and the kernel table
 simply has one candidate fewer (kernels.py measures what exists; PyTorch's own product is always there). The build takes
