@@ -73,6 +73,7 @@ class LeanLayer(nn.Module):
         # taken for a batch of one with n rows where native_rows[n]
         self.native = None
         self.native_rows: list[bool] = []
+        self.native_built = False  # native_layer.stack's: its native form once built (None: it has none)
 
     @property
     def current(self) -> bool:

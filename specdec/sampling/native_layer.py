@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -183,8 +182,6 @@ def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] =
     return found
 
 
-# LeanLayer -> its NativeLayer (or None where it has none), built once and kept while its packed weights are current
-_BUILT: weakref.WeakKeyDictionary[LeanLayer, NativeLayer | None] = weakref.WeakKeyDictionary()
 RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this factor at one row is measured again
 
 
@@ -235,9 +232,9 @@ def stack(module: nn.Module, table: KernelTable) -> list[NativeLayer]:
     operand = lambda w: table.operand("native_packed", w)  # noqa: E731
     out = []
     for fast in lean_layers(module):
-        have = _BUILT.get(fast, False)
+        have = fast.native_built
         if have is False or (have is not None and any(operand(w) is not p for w, p in zip(have.weights, have.packed))):
-            have = _BUILT[fast] = build(fast, operand)
+            have = fast.native_built = build(fast, operand)
         if have is not None:
             out.append(have)
     return out
