@@ -15,7 +15,7 @@ from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling import native, native_layer
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
-from specdec.sampling.kernels import CANDIDATES, KernelTable, measured_kernels
+from specdec.sampling.kernels import BF16, CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import lean, lean_layers
 
 needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
@@ -104,6 +104,28 @@ def test_decoding_is_greedy_identical_with_native_layers(base, forced, kw):
         assert all(forced) and (forced or len(prompts) > 1)  # batch of one: ran natively
     if drafter is not None:
         assert lean(drafter.exits[0].blocks[0]).native is None  # its block was attached while decoding, and detached
+
+
+@needs_compiler
+def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
+    """A drafter's lean block may multiply with bfloat16 copies of its weights (draft_precision=bf16); its native form
+    (exact weights) is still checked against the exact lean forward, so it is attached, and decoding stays lossless."""
+    drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
+    rounded = KernelTable(None, candidates={"linear": CANDIDATES["linear"]},
+                          bf16={"linear_bf16": BF16["linear_bf16"]}, rows=(1, 2, 4, 8, 16))
+    rounded.prepare = lambda weights, bf16=False: None  # no measuring: pick bf16 for the drafter's products below
+    rounded.plan = lambda w, uniform=None, bf16=False: (
+        [None] + [(BF16["linear_bf16"].run, w.to(torch.bfloat16))] * 16 if bf16 else [None] * 17)
+    rounded.arbitrate = lambda weights, bf16=False: {}
+    block = lean(drafter.exits[0].blocks[0])
+    with measured_kernels(base, drafter, table=rounded, bf16=[drafter]):
+        assert "forward" in block.qkv.__dict__  # its products are the rounded ones ...
+        assert block.native is not None  # ... and its native layer was attached all the same
+        prompts = [list(range(30, 49))]
+        fast = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3))
+    stock = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3,
+                                                           cpu_kernels="stock"))
+    assert fast.tokens.tolist() == stock.tokens.tolist()
 
 
 @needs_compiler

@@ -59,11 +59,17 @@ class NativeLayer:
         self.lib = native._library()
         self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
         self.packed = [operand(w) for w in self.weights]  # kept alive: layer.c reads them by address
+        self.packed_from = [(w.data_ptr(), w._version) for w in self.weights]  # see `current`
         s = self.struct = _Layer()
         s.hidden, s.heads, s.kv_heads = fast.qkv.weight.shape[1], fast.heads, fast.kv_heads
         s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
         s.qkv, s.o, s.gate_up, s.down = (p.blocks.data_ptr() for p in self.packed)
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
+
+    @property
+    def current(self) -> bool:
+        """Whether the packed copies are still of the layer's weights (not replaced, not changed in place)."""
+        return self.packed_from == [(w.data_ptr(), w._version) for w in self.weights]
 
     @staticmethod
     def supports(fast: LeanLayer) -> bool:
@@ -120,7 +126,20 @@ def build(fast: LeanLayer, operand) -> NativeLayer | None:
 @torch.no_grad()
 def agrees(layer: NativeLayer, n: int = 3) -> bool:
     """Whether the native layer gives the lean layer's output on n random tokens after a few cached ones (causal
-    mask) and on one token that sees the whole window (no mask)."""
+    mask) and on one token that sees the whole window (no mask). The lean layer multiplies with PyTorch's own products
+    for it: inside `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
+    fast = layer.fast
+    _, _, o_proj, down_proj, _ = fast._parts
+    patched = {l: l.__dict__.pop("forward") for l in (fast.qkv, o_proj, fast.gate_up, down_proj)
+               if "forward" in l.__dict__}
+    try:
+        return _agrees(layer, n)
+    finally:
+        for l, forward in patched.items():
+            l.forward = forward
+
+
+def _agrees(layer: NativeLayer, n: int) -> bool:
     fast = layer.fast
     w = fast.qkv.weight
     g = torch.Generator().manual_seed(0)
@@ -226,14 +245,15 @@ def detach(fasts: list[LeanLayer]) -> None:
 
 
 def stack(module: nn.Module, table: KernelTable) -> list[NativeLayer]:
-    """The native forms of `module`'s lean layers that have one, in order, over the table's packed copies of their
-    weights (shared with the products' kernel where that is the packed one): built and checked once, and again if a
+    """The native forms of `module`'s lean layers that have one, in order, over packed copies of their weights (the
+    table's, shared with the products' kernel where that is the packed one): built and checked once, and again if a
     weight changed."""
-    operand = lambda w: table.operand("native_packed", w)  # noqa: E731
+    shared = "native_packed" in table.candidates
+    operand = (lambda w: table.operand("native_packed", w)) if shared else native.pack
     out = []
     for fast in lean_layers(module):
         have = fast.native_built
-        if have is False or (have is not None and any(operand(w) is not p for w, p in zip(have.weights, have.packed))):
+        if have is False or (have is not None and not have.current):
             have = fast.native_built = build(fast, operand)
         if have is not None:
             out.append(have)
