@@ -61,7 +61,7 @@ class LeanLayer(nn.Module):
         # the layer's own modules (norms fused where exact), not registered: they belong to the layer
         self._parts = (_fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm), attn.o_proj,
                        mlp.down_proj, mlp.act_fn)
-        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)  # the modules (native_layer reads them)
         self.covers = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # what the fused stand for
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim

@@ -4,9 +4,10 @@ The lean layer (lean.py) still dispatches ~15 PyTorch ops per layer and token; o
 is ~40 % of a 135M model's AR step. `NativeLayer` runs the same layer (the same fused weights, in smallm.c's packed
 layout, the same slot cache, mask and rotary table) in one ctypes call. It is attached to a LeanLayer by
 `measured_kernels` only where, on this machine, a whole stack of them is faster than the lean layers with their
-measured kernels (`choose`, per row count, cached with the kernel table); anything it does not take (a batch of
-several rows, autograd, another dtype or device, more rows than measured) runs the lean layer as before. Before use,
-each native layer is checked against its lean layer on random tokens, like the lean layer against the HF one."""
+measured kernels (`attach`: timed per row count by `measure`, stored with the kernel table); anything it does not
+take (a batch of several rows, autograd, another dtype or device, more rows than measured) runs the lean layer as
+before. Before use, each native layer is checked against its lean layer on random tokens (`agrees`), like the lean
+layer against the HF one."""
 
 from __future__ import annotations
 
@@ -77,8 +78,11 @@ class NativeLayer:
         formula. (Its output is then compared with the lean layer's: `agrees`.)"""
         norm1, norm2, o_proj, down_proj, act = fast._parts
         weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
+        norms = [getattr(m, "weight", None) for m in fast.norms]  # read by address: [H] float32, contiguous
         return (native.available() and hasattr(native._library(), "smallm_layer")
                 and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+                and all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+                        and w.is_contiguous() and w.shape == (weights[0].shape[1],) for w in norms)
                 and all(l.bias is None for l in (fast.qkv, o_proj, fast.gate_up, down_proj))
                 and _is_silu(act) and fast.head_dim % 16 == 0 and fast.head_dim <= 128
                 # both norms lean as F.rms_norm (lean._fused_norm kept the module itself where that formula differs)
@@ -202,6 +206,7 @@ def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] =
 
 
 RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this factor at one row is measured again
+_CHECKED: set[str] = set()  # stacks whose stored timings this process has re-checked
 
 
 def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
@@ -211,8 +216,9 @@ def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
     natives = [n for n in stack(module, table) if n.fast.native is None]
     if not natives:
         return []
+    # the stack's shapes, the row counts and layer.c itself: a change to any is measured anew
     shapes = " ".join(f"{tuple(w.shape)}" for n in natives for w in n.weights)
-    key = hashlib.sha1((shapes + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
+    key = hashlib.sha1((shapes + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
     t0 = time.perf_counter()
     times = table.layers.get(key)
     if times is not None and key not in _CHECKED:  # once per process: does the stored choice still hold at 1 row?
@@ -226,17 +232,17 @@ def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
         table.save()
     _CHECKED.add(key)
     table.measure_s += time.perf_counter() - t0
-    # per row count 0..max(ROWS): the next measured count up decides
-    rows = [False] + [times[min(r for r in ROWS if r >= n)]["native"] < times[min(r for r in ROWS if r >= n)]["lean"]
-                      for n in range(1, max(ROWS) + 1)]
+
+    def faster(n: int) -> bool:  # n rows: the next measured count up decides
+        t = times[min(r for r in ROWS if r >= n)]
+        return t["native"] < t["lean"]
+
+    rows = [False] + [faster(n) for n in range(1, max(ROWS) + 1)]
     if not any(rows):
         return []
     for layer in natives:
         layer.fast.native, layer.fast.native_rows = layer, rows
     return [layer.fast for layer in natives]
-
-
-_CHECKED: set[str] = set()
 
 
 def detach(fasts: list[LeanLayer]) -> None:
