@@ -30,16 +30,33 @@ def base():
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Measurement always picks the native layers; yields the count of native calls that ran."""
-    calls = []
-    call = native_layer.NativeLayer.__call__
+    """Measurement always picks the native layers; yields a list with an entry per native call made while decoding
+    (a whole stack or one layer; True where it ran, False where layer.c refused it), not counting the checks."""
+    calls, checking = [], []
+    call, run_stack, agrees = native_layer.NativeLayer.__call__, native_layer.run_stack, native_layer.agrees
 
     def counted(self, *args):
         out = call(self, *args)
-        calls.append(out is not None)
+        if not checking:
+            calls.append(out is not None)
         return out
 
+    def counted_stack(*args, **kwargs):
+        out = run_stack(*args, **kwargs)
+        if out is not None:  # None also means "not every layer takes these rows": they then run one by one
+            calls.append(True)
+        return out
+
+    def checked(*args, **kwargs):
+        checking.append(True)
+        try:
+            return agrees(*args, **kwargs)
+        finally:
+            checking.pop()
+
     monkeypatch.setattr(native_layer.NativeLayer, "__call__", counted)
+    monkeypatch.setattr(native_layer, "run_stack", counted_stack)
+    monkeypatch.setattr(native_layer, "agrees", checked)
     monkeypatch.setattr(native_layer, "measure",
                         lambda natives, reps=3, counts=native_layer.ROWS: {r: {"lean": 2.0, "native": 1.0}
                                                                              for r in counts})
@@ -70,7 +87,11 @@ def run(base, native_on: bool, prompt: list[int], tree: bool):
 
 @needs_compiler
 @pytest.mark.parametrize("tree", [False, True])
-def test_native_layers_give_the_lean_numbers(base, forced, tree):
+@pytest.mark.parametrize("whole_stack", [True, False])
+def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, monkeypatch):
+    """The base's layers in one native call (run_stack) or one call per layer: the lean numbers either way."""
+    if not whole_stack:
+        monkeypatch.setattr(native_layer, "run_stack", lambda *args, **kwargs: None)
     prompt = list(range(20, 41))
     ref, ref_feats = run(base, False, prompt, tree)
     got, feats = run(base, True, prompt, tree)

@@ -17,6 +17,7 @@ from torch import nn
 from specdec.base import Base
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer, lean, lean_rope
+from specdec.sampling import native_layer
 from specdec.sampling.rotary import RotaryTable
 
 
@@ -119,6 +120,10 @@ class SamplingContext:
         rope, lean_table = self._rotary(hidden, pos, position_offset, any(f is None for f in fast),
                                         any(f is not None for f in fast))
         inputs, mask = {}, self.mask
+        if lean_table is not None and all(f is not None for f in fast):  # every layer lean: one native call?
+            done = native_layer.run_stack(fast, hidden, lean_table, mask, cache, keep)
+            if done is not None:
+                return done
         for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
             if i in keep:
                 inputs[i] = hidden

@@ -164,10 +164,16 @@ long smallm_layer_scratch(const layer_t *L, int n, int width, int threads) {
    slots [n]: where each row's key and value go in the cache; width: keys attended, slots [0, width); mask [n, width]
    additive, or NULL when every row sees the whole window; scratch: smallm_layer_scratch(...) floats. Returns 0, or -1
    for a shape it does not handle (the caller then runs the lean layer). */
+/* whether smallm_layer computes L over a window of `width` slots */
+static int fits(const layer_t *L, int width) {
+    const int d = L->head_dim;
+    return !(d % PLANES || d > 16 * PLANES || d > 512 || L->heads % L->kv_heads || width > L->max_len);
+}
+
 int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const float *sin, const int64_t *slots,
                  int width, const float *mask, float *scratch, int threads) {
     const int H = L->hidden, d = L->head_dim, heads = L->heads, kv = L->kv_heads, inter = L->intermediate;
-    if (d % PLANES || d > 16 * PLANES || d > 512 || heads % kv || width > L->max_len) return -1;
+    if (!fits(L, width)) return -1;
     const int qkv_width = (heads + 2 * kv) * d;
     float *x = scratch;                                          /* [n, H] normed input */
     float *y = x + (size_t)n * H;                                /* [n, H] a product's output */
@@ -219,5 +225,20 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
     }
     smallm_packed(act, L->down, y, n, inter, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
+    return 0;
+}
+
+/* A stack of layers over h [n, H] in one call (each as smallm_layer, all on the same rows, rotary, slots, window and
+   mask; scratch sized for the largest). keep: NULL, or per layer NULL or [n, H] floats that receive the layer's
+   input (a model's hidden states that drafters read). Returns -1, having changed nothing, if any layer does not fit. */
+int smallm_layers(const layer_t *const *layers, int count, float *h, int n, const float *cos, const float *sin,
+                  const int64_t *slots, int width, const float *mask, float *scratch, int threads,
+                  float *const *keep) {
+    for (int i = 0; i < count; i++)
+        if (!fits(layers[i], width) || layers[i]->hidden != layers[0]->hidden) return -1;
+    for (int i = 0; i < count; i++) {
+        if (keep && keep[i]) __builtin_memcpy(keep[i], h, sizeof(float) * (size_t)n * layers[i]->hidden);
+        smallm_layer(layers[i], h, n, cos, sin, slots, width, mask, scratch, threads);
+    }
     return 0;
 }

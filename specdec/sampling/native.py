@@ -133,6 +133,10 @@ def open_library(path: Path | str) -> ctypes.CDLL:
                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.smallm_layer_scratch.restype = ctypes.c_long
         lib.smallm_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.smallm_layers.restype = ctypes.c_int
+        lib.smallm_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,27 +88,86 @@ class NativeLayer:
                 # both norms lean as F.rms_norm (lean._fused_norm kept the module itself where that formula differs)
                 and all(f is not m for f, m in zip((norm1, norm2), fast.norms)))
 
+    def bind(self, cache: SlotCache, like: torch.Tensor) -> bool:
+        """Point the struct at this layer's key and value stores in `cache` (made if new; like: the hidden state
+        [1, n, H]); False where layer.c cannot write them."""
+        keys, values = cache.buffers(self.fast.layer_idx, like, self.fast.kv_heads, self.fast.head_dim)
+        if not (keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()):
+            return False
+        s = self.struct
+        s.keys, s.values, s.max_len = keys.data_ptr(), values.data_ptr(), keys.shape[2]
+        return True
+
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                  cache: SlotCache) -> torch.Tensor | None:
         """The layer over hidden [1, n, H] as LeanLayer.forward takes it, or None where layer.c does not take the
         call (the caller then runs the lean layer)."""
-        n = hidden.shape[1]
-        keys, values = cache.buffers(self.fast.layer_idx, hidden, self.fast.kv_heads, self.fast.head_dim)
-        if not (keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()):
+        if not self.bind(cache, hidden):
             return None
-        s = self.struct
-        s.keys, s.values, s.max_len = keys.data_ptr(), values.data_ptr(), keys.shape[2]
-        width = cache.width
-        slots = cache.write_slots.reshape(n).contiguous()
-        cos, sin = (t.reshape(n, -1).contiguous() for t in rope)
-        m = None if mask is None else mask.reshape(n, width).contiguous()
-        threads = torch.get_num_threads()
         out = hidden.contiguous().clone()  # written in place (the input may be kept: feature layers)
-        scratch = _scratch(self.lib.smallm_layer_scratch(ctypes.byref(s), n, width, threads))
-        done = self.lib.smallm_layer(ctypes.byref(s), out.data_ptr(), n, cos.data_ptr(), sin.data_ptr(),
-                                     slots.data_ptr(), width, None if m is None else m.data_ptr(),
-                                     scratch.data_ptr(), threads)
+        call = _Call(out, rope, mask, cache, [self])
+        done = self.lib.smallm_layer(ctypes.byref(self.struct), out.data_ptr(), *call.args)
         return out if done == 0 else None
+
+
+class _Call:
+    """What every layer of one forward shares: the rows' rotary tables, slots, window, mask, scratch, threads, as
+    layer.c's arguments after h and n (`args`)."""
+
+    def __init__(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                 cache: SlotCache, layers: list[NativeLayer]):
+        n, width = out.shape[1], cache.width
+        # kept as attributes: layer.c reads them by address during the call
+        self.slots = cache.write_slots.reshape(n).contiguous()  # [n] int64
+        self.cos, self.sin = (t.reshape(n, -1).contiguous() for t in rope)  # [n, d] each
+        self.mask = None if mask is None else mask.reshape(n, width).contiguous()  # [n, W] additive
+        threads = torch.get_num_threads()
+        lib = layers[0].lib
+        scratch = _scratch(max(lib.smallm_layer_scratch(ctypes.byref(l.struct), n, width, threads) for l in layers))
+        self.args = (n, self.cos.data_ptr(), self.sin.data_ptr(), self.slots.data_ptr(), width,
+                     None if self.mask is None else self.mask.data_ptr(), scratch.data_ptr(), threads)
+
+
+_STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
+
+
+def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              mask: torch.Tensor | None, cache: SlotCache,
+              keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """The lean layers `fasts` over hidden [1, n, H] in ONE native call, as SamplingContext._run runs them one by one
+    (-> the output [1, n, H] and {i: the input of layer i} for i in keep), where every one of them has its native
+    form attached for n rows; None otherwise, or where layer.c does not take the call (nothing is changed then). One
+    call rather than one per layer: each pays its Python argument handling, 30 times a step for SmolLM2."""
+    b, n, _ = hidden.shape
+    if b != 1 or hidden.dtype != torch.float32:
+        return None
+    for f in fasts:
+        if f.native is None or n >= len(f.native_rows) or not f.native_rows[n]:
+            return None
+    return _run_stack([f.native for f in fasts], hidden, rope, mask, cache, keep)
+
+
+_STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
+
+
+def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None, cache: SlotCache,
+               keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    ids = tuple(map(id, layers))
+    if ids not in _STACKS:
+        if len(_STACKS) >= 4:
+            _STACKS.pop(next(iter(_STACKS)))
+        _STACKS[ids] = (layers, (ctypes.c_void_p * len(layers))(*(ctypes.addressof(l.struct) for l in layers)))
+    array = _STACKS[ids][1]
+    if not all(l.bind(cache, hidden) for l in layers):
+        return None
+    out = hidden.contiguous().clone()  # written in place (the input may be kept)
+    inputs = {i: torch.empty_like(out) for i in keep if i < len(layers)}
+    kept = (ctypes.c_void_p * len(layers))(*(inputs[i].data_ptr() if i in inputs else None
+                                             for i in range(len(layers)))) if inputs else None
+    call = _Call(out, rope, mask, cache, layers)
+    done = layers[0].lib.smallm_layers(array, len(layers), out.data_ptr(), *call.args, kept)
+    return (out, inputs) if done == 0 else None
 
 
 def _is_silu(act) -> bool:
@@ -176,8 +235,8 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
 @torch.no_grad()
 def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] = ROWS) -> dict[int, dict[str, float]]:
     """{rows: {"lean": s, "native": s}} for each row count of ROWS: seconds of a pass through all of the layers (a
-    model's stack, in order) over `rows` new tokens after PROMPT cached ones, each way, interleaved, best of `reps`
-    (the lean layers with whatever kernels are patched in at the time of the call)."""
+    model's stack, in order) over `rows` new tokens after PROMPT cached ones, each way (the native layers in one
+    call, the lean ones with whatever kernels are patched in at the time), interleaved, best of `reps`."""
     w = natives[0].fast.qkv.weight
     g = torch.Generator().manual_seed(0)
     found = {}
@@ -196,9 +255,12 @@ def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] =
             for way in best:
                 t = time.perf_counter()
                 x = hidden
-                for layer in natives:
-                    x = layer(x, rope, mask, cache) if way == "native" else layer.fast.lean_forward(x, rope, mask,
-                                                                                                   cache)
+                if way == "native":  # in one call, as the sampler runs them (run_stack)
+                    done = _run_stack(natives, x, rope, mask, cache)
+                    if done is None:  # layer.c refuses the stack: never the faster way
+                        continue
+                for layer in natives if way == "lean" else ():
+                    x = layer.fast.lean_forward(x, rope, mask, cache)
                 if rep:
                     best[way] = min(best[way], time.perf_counter() - t)
         found[rows] = best
