@@ -122,13 +122,12 @@ class _Call:
         self.cos, self.sin = (t.reshape(n, -1).contiguous() for t in rope)  # [n, d] each
         self.mask = None if mask is None else mask.reshape(n, width).contiguous()  # [n, W] additive
         threads = torch.get_num_threads()
-        lib = layers[0].lib
-        scratch = _scratch(max(lib.smallm_layer_scratch(ctypes.byref(l.struct), n, width, threads) for l in layers))
+        shapes = {(l.struct.hidden, l.struct.heads, l.struct.kv_heads, l.struct.head_dim, l.struct.intermediate): l
+                  for l in layers}  # one of each shape (a model's layers are all alike)
+        scratch = _scratch(max(l.lib.smallm_layer_scratch(ctypes.byref(l.struct), n, width, threads)
+                               for l in shapes.values()))
         self.args = (n, self.cos.data_ptr(), self.sin.data_ptr(), self.slots.data_ptr(), width,
                      None if self.mask is None else self.mask.data_ptr(), scratch.data_ptr(), threads)
-
-
-_STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
 
 
 def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
