@@ -6,9 +6,9 @@ layer dispatches per token costs microseconds of framework overhead, 30 layers t
 ctypes call: RMSNorm, the fused q|k|v product, rotary on q and k, the keys and values written into the slot cache,
 attention over the cache window (with the caller's additive mask, or none), the output product and residual, RMSNorm,
 the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernel
-(the weights in its layout), everything else vectorised here. (make bench, 2-core Intel Xeon family 6 model 167: a pass
-through SmolLM2's 30 layers 16.7 ms at one token against 29.5 ms for the lean layers with their measured kernels, and
-26.5 against 38.4 ms at 12 tokens: about what the products alone take.) Numbers: the same math as the lean layer in float32,
+(the weights in its layout), everything else vectorised here; smallm_layers runs a model's whole stack in one call.
+(make bench, 2-core Intel Xeon family 6 model 167: a pass through SmolLM2's 30 layers 14.9 ms at one token against
+25.3 ms for the lean layers with their measured kernels, and 24.4 against 46.1 ms at 12 tokens.) Numbers: the same math as the lean layer in float32,
 summed in another order (native.py checks every layer against the lean one before it is used, and measurement decides
 whether it is used at all: see native_layer.py).
 
