@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from specdec.base import Base
+from specdec.sampling import native_layer
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer, lean, lean_rope
-from specdec.sampling import native_layer
 from specdec.sampling.rotary import RotaryTable
 
 

@@ -1,5 +1,5 @@
 /* One Llama-style decoder layer for a batch of one row, in native code: what specdec/sampling/lean.py's LeanLayer
-computes, in one call instead of ~20 PyTorch ops.
+computes, in one call instead of ~15 PyTorch ops.
 
 On a 2-core CPU an AR step of SmolLM2-135M spends ~16 of its ~40 ms outside the products: each of the ~15 ops a lean
 layer dispatches per token costs microseconds of framework overhead, 30 layers times over. Here the layer is one
