@@ -6,7 +6,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from specdec.base import tiny_base
+from specdec.base import LAST, tiny_base
+from specdec.sampling.context import SamplingContext
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -52,3 +53,21 @@ def compose_train(overrides: list[str], tmp_path: Path, config_name: str = "trai
             f"paths.output_dir={tmp_path}/run", *overrides,
         ])
     return cfg
+
+
+@torch.no_grad()
+def prefill_and_verify(base, prompt: list[int], tree: bool, lean: bool = True):
+    """Through a SamplingContext: the prompt's prefill, then one verify call (one chain token, or a 2-branch tree:
+    the root, two children of it, a grandchild of the second) -> the verify's hidden state and features
+    {0, 2, LAST}."""
+    ctx = SamplingContext(base, 1, 64, lean=lean)
+    ctx.commit_layout(len(prompt))
+    ctx.base_forward(torch.tensor([prompt]))
+    ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
+    if tree:
+        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
+    else:
+        ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
+    tokens = torch.tensor([[7, 8, 9, 10][: 4 if tree else 1]])
+    return ctx.base_forward(tokens, feature_layers=(0, 2, LAST))

@@ -15,6 +15,7 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import LeanLayer, decode_linears, lean
+from conftest import prefill_and_verify
 
 
 @pytest.fixture
@@ -22,27 +23,12 @@ def base():
     return tiny_base(num_layers=3)  # its own: lean re-points the layers' weights
 
 
-def forward(base, lean_on: bool, prompt: list[int], tree: bool):
-    """Prefill then one verify call (a chain or a 2-branch tree); the verify's hidden state and features."""
-    ctx = SamplingContext(base, 1, 64, lean=lean_on)
-    ctx.commit_layout(len(prompt))
-    ctx.base_forward(torch.tensor([prompt]))
-    ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
-    if tree:  # root, two children of it, a grandchild of the second
-        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
-    else:
-        ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
-    tokens = torch.tensor([[7, 8, 9, 10][: 4 if tree else 1]])
-    return ctx.base_forward(tokens, feature_layers=(0, 2, LAST))
-
-
 @pytest.mark.parametrize("tree", [False, True])
 @torch.no_grad()
 def test_lean_forward_equals_the_hf_layers(base, tree):
     prompt = list(range(20, 31))
-    ref, ref_feats = forward(base, False, prompt, tree)
-    got, feats = forward(base, True, prompt, tree)
+    ref, ref_feats = prefill_and_verify(base, prompt, tree, lean=False)
+    got, feats = prefill_and_verify(base, prompt, tree)
     assert all(isinstance(lean(layer), LeanLayer) for layer in base.layers)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert feats.keys() == ref_feats.keys() == {0, 2, LAST}

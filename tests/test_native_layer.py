@@ -4,6 +4,7 @@ picks it, and the lean layer wherever it is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 
@@ -13,10 +14,10 @@ import torch
 from specdec.base import LAST, load_base, tiny_base
 from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling import native, native_layer
-from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import BF16, CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import lean, lean_layers
+from conftest import prefill_and_verify
 
 needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
                                     reason="no C compiler on this machine")
@@ -68,21 +69,9 @@ def table() -> KernelTable:
 
 
 def run(base, native_on: bool, prompt: list[int], tree: bool):
-    """Prefill then one verify (a chain token or a 2-branch tree) through the context, with or without native layers;
-    the verify's hidden state and features."""
-    with measured_kernels(base, table=table()) if native_on else torch.no_grad():
-        ctx = SamplingContext(base, 1, 64)
-        with torch.no_grad():
-            ctx.commit_layout(len(prompt))
-            ctx.base_forward(torch.tensor([prompt]))
-            ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
-            if tree:  # root, two children of it, a grandchild of the second
-                visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-                ctx.tree_layout(torch.arange(4), torch.tensor([0, 1, 1, 2]), visible)
-            else:
-                ctx.tree_layout(torch.arange(1), torch.arange(1), torch.ones(1, 1, dtype=torch.bool))
-            tokens = torch.tensor([[7, 8, 9, 10][: 4 if tree else 1]])
-            return ctx.base_forward(tokens, feature_layers=(0, 2, LAST))
+    """conftest.prefill_and_verify with or without native layers."""
+    with measured_kernels(base, table=table()) if native_on else contextlib.nullcontext():
+        return prefill_and_verify(base, prompt, tree)
 
 
 @needs_compiler
