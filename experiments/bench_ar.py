@@ -32,6 +32,7 @@ from specdec.sampling import native, native_layer  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
+from specdec.sampling.graphs import pools as graph_pools  # noqa: E402
 from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
 from specdec.sampling.lean import decode_linears  # noqa: E402
 
@@ -39,11 +40,11 @@ GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
 def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured", lean: bool = True,
-             native_layers: bool = True) -> tuple[int, float, float]:
+             native_layers: bool = True, cuda_graphs: bool = True) -> tuple[int, float, float]:
     """(tokens, total s, decode s): decode = after the prefill and its first token, the part the bandwidth bound
     is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
     r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels,
-                                                     lean=lean, native_layers=native_layers))
+                                                     lean=lean, native_layers=native_layers, cuda_graphs=cuda_graphs))
     return r.num_generated[0], r.total_s, r.decode_s
 
 
@@ -152,6 +153,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = load_base(dtype="float32", device=args.device)
     dev = base.device
+    cuda = dev.type == "cuda"  # CUDA: graphs vs op by op; CPU: native layers, lean layers, stock kernels
     args.out = args.out or ("experiments/results/bench" if dev.type == "cpu" else "experiments/results/bench_cuda")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts)]
@@ -160,22 +162,25 @@ def main() -> None:
                + (f" --device {args.device}" if dev.type != "cpu" else ""))
 
     # Same greedy tokens from every path (a correctness check that costs nothing here).
+    def tokens(**kw) -> list[int]:
+        return generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[], **kw)).tokens[0]
+
     t0 = time.perf_counter()
-    ours_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[])).tokens[0]
+    ours_toks = tokens()
     kernel_setup_s = time.perf_counter() - t0  # includes measuring the kernels on a machine seen for the first time
-    stock_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
-                                                                  cpu_kernels="stock")).tokens[0]
-    hf_layers_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
-                                                                      lean=False)).tokens[0]
-    lean_toks = generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[],
-                                                                 native_layers=False)).tokens[0]
     hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
+    variants = ({"eager": {"cuda_graphs": False}} if cuda else  # name -> SamplerConfig settings, next to ours
+                {"lean": {"native_layers": False}, "stock": {"cpu_kernels": "stock"}})
+    variants["hf_layers"] = {"lean": False}
+    identical = {"measured_kernels" if not cuda else "cuda_graphs": ours_toks.tolist() == hf_toks.cpu().tolist()}
+    identical |= {"lean_layers" if name == "lean" else name: tokens(**kw).tolist() == hf_toks.cpu().tolist()
+                  for name, kw in variants.items()}
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
 
-    runners = {"ours": run_ours, "ours_lean": lambda *a: run_ours(*a, native_layers=False),
-               "ours_stock": lambda *a: run_ours(*a, kernels="stock"),
-               "ours_hf_layers": lambda *a: run_ours(*a, lean=False), "hf": run_hf}
+    runners = {"ours": run_ours, "hf": run_hf}
+    runners |= {f"ours_{name}": (lambda kw: lambda *a: run_ours(*a, **_run_kw(kw)))(kw)
+                for name, kw in variants.items()}
     rows = {name: [] for name in runners}
     for i, p in enumerate(prompts):
         names = list(runners)
@@ -191,16 +196,13 @@ def main() -> None:
 
     (ours_mean, ours_pool), (hf_mean, hf_pool) = stats(rows["ours"]), stats(rows["hf"])
     ours_decode, hf_decode = decode_rate(rows["ours"]), decode_rate(rows["hf"])
-    stock_mean, hf_layers_mean = stats(rows["ours_stock"])[0], stats(rows["ours_hf_layers"])[0]
-    lean_mean = stats(rows["ours_lean"])[0]
 
     ns = list(range(1, args.max_n + 1))
     costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
-    lean_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), native_layers=False)
-    stock_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), cpu_kernels="stock")
-    hf_layers_costs = forward_costs(base, ns, prompt_len=len(prompts[0]), lean=False)
-    curve, stock_curve = verify_curve(costs), verify_curve(stock_costs)
-    hf_layers_curve, lean_curve = verify_curve(hf_layers_costs), verify_curve(lean_costs)
+    variant_costs = {name: forward_costs(base, ns, prompt_len=len(prompts[0]), **kw)
+                     for name, kw in variants.items()}
+    curve = verify_curve(costs)
+    recorded = graph_pools(base)  # CUDA graphs recorded in this run (by every decode and curve above)
     split = step_split(base, prompts[0]) if dev.type == "cpu" else None  # CPU time says little of a GPU's step
     bandwidth = read_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
@@ -216,23 +218,21 @@ def main() -> None:
         "platform": platform.platform(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "base": base.name, "dtype": "float32",
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "greedy_identical": {"measured_kernels": ours_toks.tolist() == hf_toks.cpu().tolist(),
-                             "stock": stock_toks.tolist() == hf_toks.cpu().tolist(),
-                             "hf_layers": hf_layers_toks.tolist() == hf_toks.cpu().tolist(),
-                             "lean_layers": lean_toks.tolist() == hf_toks.cpu().tolist()},
-        "ar_tok_s": round(ours_mean, 2), "ar_lean_tok_s": round(lean_mean, 2), "ar_stock_tok_s": round(stock_mean, 2),
-        "ar_hf_layers_tok_s": round(hf_layers_mean, 2), "hf_generate_tok_s": round(hf_mean, 2),
+        "greedy_identical": identical,
+        "ar_tok_s": round(ours_mean, 2),
+        **{f"ar_{name}_tok_s": round(stats(rows[f"ours_{name}"])[0], 2) for name in variants},
+        "hf_generate_tok_s": round(hf_mean, 2),
         "ar_pooled_tok_s": round(ours_pool, 2), "hf_generate_pooled_tok_s": round(hf_pool, 2),
         "ar_vs_hf_generate": round(ours_mean / hf_mean, 3),
         "ar_decode_tok_s": round(ours_decode, 2), "hf_generate_decode_tok_s": round(hf_decode, 2),
         "ar_decode_vs_hf_generate": round(ours_decode / hf_decode, 3),
-        "t1_ms": round(costs[1] * 1e3, 2), "t1_lean_ms": round(lean_costs[1] * 1e3, 2),
-        "t1_stock_ms": round(stock_costs[1] * 1e3, 2),
-        "t1_hf_layers_ms": round(hf_layers_costs[1] * 1e3, 2),
+        "t1_ms": round(costs[1] * 1e3, 2),
+        **{f"t1_{name}_ms": round(c[1] * 1e3, 2) for name, c in variant_costs.items()},
         "verify_cost": {n: round(v, 3) for n, v in curve.items()},
-        "verify_cost_lean": {n: round(v, 3) for n, v in lean_curve.items()},
-        "verify_cost_stock": {n: round(v, 3) for n, v in stock_curve.items()},
-        "verify_cost_hf_layers": {n: round(v, 3) for n, v in hf_layers_curve.items()},
+        **{f"verify_cost_{name}": {n: round(v, 3) for n, v in verify_curve(c).items()}
+           for name, c in variant_costs.items()},
+        "cuda_graphs": {"recorded": sum(p.captures for p in recorded),
+                        "record_s": round(sum(p.capture_s for p in recorded), 2)} if cuda else None,
         "step_split": split,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
@@ -258,6 +258,11 @@ def main() -> None:
     print(md)
 
 
+def _run_kw(kw: dict) -> dict:
+    """A variant's SamplerConfig settings as run_ours takes them."""
+    return {{"cpu_kernels": "kernels"}.get(k, k): v for k, v in kw.items()}
+
+
 def native_layers_ms(base) -> dict[int, dict[str, float]]:
     """{rows: {"lean": ms, "native": ms}}: one pass through the base's layer stack each way, as the sampler measures
     it to choose (native_layer.measure; empty where no native layer is built, e.g. on a GPU or without a compiler)."""
@@ -273,26 +278,26 @@ def on_cpu(r: dict) -> bool:
     return r.get("device", "cpu") == "cpu"  # reports from before --device have no "device"
 
 
+# variant -> its label: our loop with one setting changed (report keys ar_<name>_tok_s, t1_<name>_ms, verify_cost_<name>)
+VARIANTS = {"lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
+            "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)"}
+
+
 def render(r: dict) -> str:
     where = r["cpu"] if on_cpu(r) else f"{r['device']} (host: {r['cpu']})"
+    ours = "measured kernels, native layers" if on_cpu(r) else "CUDA graphs"
     split = r["step_split"]
     lines = [f"# Cost model: {r['base']} ({r['dtype']}), {where}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
              f"transformers {r['transformers']}. Greedy tokens identical to HF generate: "
-             f"measured kernels {r['greedy_identical']['measured_kernels']}, stock {r['greedy_identical']['stock']}, "
-             f"HF layers {r['greedy_identical']['hf_layers']}, lean layers in PyTorch ops "
-             f"{r['greedy_identical'].get('lean_layers')}.", "",
+             + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r["greedy_identical"].items()) + ".", "",
              "| method | tok/s (mean over prompts) | vs HF generate |", "|---|---|---|",
-             f"| AR, our sampler (measured kernels, native layers) | {r['ar_tok_s']:.1f} | "
-             f"{r['ar_vs_hf_generate']:.2f}× |",
+             f"| AR, our sampler ({ours}) | {r['ar_tok_s']:.1f} | {r['ar_vs_hf_generate']:.2f}× |",
              f"| … decode only (after the prefill and first token) | {r['ar_decode_tok_s']:.1f} | "
              f"{r['ar_decode_vs_hf_generate']:.2f}× (HF generate {r['hf_generate_decode_tok_s']:.1f}) |",
-             *([f"| AR, our sampler, native_layers=false (the lean layers in PyTorch ops) | {r['ar_lean_tok_s']:.1f} | "
-                f"{r['ar_lean_tok_s'] / r['hf_generate_tok_s']:.2f}× |"] if "ar_lean_tok_s" in r else []),
-             f"| AR, our sampler, cpu_kernels=stock | {r['ar_stock_tok_s']:.1f} | "
-             f"{r['ar_stock_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
-             f"| AR, our sampler, lean=false (each layer's HF forward) | {r['ar_hf_layers_tok_s']:.1f} | "
-             f"{r['ar_hf_layers_tok_s'] / r['hf_generate_tok_s']:.2f}× |",
+             *[f"| AR, our sampler, {label} | {r[f'ar_{name}_tok_s']:.1f} | "
+               f"{r[f'ar_{name}_tok_s'] / r['hf_generate_tok_s']:.2f}× |"
+               for name, label in VARIANTS.items() if f"ar_{name}_tok_s" in r],
              f"| AR, HF generate | {r['hf_generate_tok_s']:.1f} | 1.00× |", "",
              f"Bandwidth bound: {r['read_bandwidth_gb_s']:.1f} GB/s streaming read / {r['weight_bytes'] / 1e6:.0f} MB of "
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it "
@@ -302,18 +307,17 @@ def render(r: dict) -> str:
                   f"{split['step_ms_profiled']:.1f} ms; GEMM "
                   f"{split['gemm_ms']:.1f} ms ({split['gemm_share']:.0%}), everything else {split['other_ms']:.1f} ms."
                   if split else "One AR step: not profiled on a GPU (CPU time would count kernel launches only)."), "",
-             f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.1f} ms measured kernels and native layers, "
-             + (f"{r['t1_lean_ms']:.1f} ms lean layers in PyTorch ops, " if "t1_lean_ms" in r else "")
-             + f"{r['t1_stock_ms']:.1f} ms stock, {r['t1_hf_layers_ms']:.1f} ms HF layers; one base forward over n "
-             "chain tokens, lm_head included; native layers are measured up to 16 rows, past that the lean ones run):",
+             f"Verify-cost curve v(n) = T_n / T_1 (T_1 = {r['t1_ms']:.2f} ms {ours}, "
+             + ", ".join(f"{r[f't1_{name}_ms']:.2f} ms {label}" for name, label in VARIANTS.items()
+                         if f"t1_{name}_ms" in r)
+             + "; one base forward over n chain tokens, lm_head included"
+             + ("; native layers are measured up to 16 rows, past that the lean ones run" if on_cpu(r) else "") + "):",
              "",
              "| n | " + " | ".join(str(n) for n in r["verify_cost"]) + " |",
              "|---" * (len(r["verify_cost"]) + 1) + "|",
              "| v(n) | " + " | ".join(f"{v:.2f}" for v in r["verify_cost"].values()) + " |",
-             *(["| v(n), lean layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_lean"].values()) + " |"]
-               if "verify_cost_lean" in r else []),
-             "| v(n), stock | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_stock"].values()) + " |",
-             "| v(n), HF layers | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_hf_layers"].values()) + " |",
+             *[f"| v(n), {label} | " + " | ".join(f"{v:.2f}" for v in r[f"verify_cost_{name}"].values()) + " |"
+               for name, label in VARIANTS.items() if f"verify_cost_{name}" in r],
              "| GEMM ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_ms"].values()) + " |",
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
@@ -322,6 +326,9 @@ def render(r: dict) -> str:
              f"bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
              f"rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
              f"those calls from Python).", "",
+             *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "
+                f"layers kept, each once per process), {r['cuda_graphs']['record_s']:.2f} s in all, warm-up runs "
+                "included.", ""] if r.get("cuda_graphs") else []),
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s. "
@@ -353,12 +360,12 @@ def plot(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = [int(n) for n in r["verify_cost"]]
-    ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"native layers (T_1 {r['t1_ms']:.1f} ms)")
-    if "verify_cost_lean" in r:
-        ax.plot(ns, list(r["verify_cost_lean"].values()), "d-.", label=f"lean layers (T_1 {r['t1_lean_ms']:.1f} ms)")
-    ax.plot(ns, list(r["verify_cost_stock"].values()), "s--", label=f"stock (T_1 {r['t1_stock_ms']:.1f} ms)")
-    ax.plot(ns, list(r["verify_cost_hf_layers"].values()), "^:",
-            label=f"HF layers (T_1 {r['t1_hf_layers_ms']:.1f} ms)")
+    ours = "native layers" if on_cpu(r) else "CUDA graphs"
+    ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"{ours} (T_1 {r['t1_ms']:.2f} ms)")
+    short = {"lean": "lean layers", "stock": "stock", "eager": "op by op", "hf_layers": "HF layers"}
+    for (name, label), style in zip(short.items(), ("d-.", "s--", "v-.", "^:")):
+        if f"verify_cost_{name}" in r:
+            ax.plot(ns, list(r[f"verify_cost_{name}"].values()), style, label=f"{label} (T_1 {r[f't1_{name}_ms']:.2f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0] if on_cpu(r) else r['device']}")
     ax.legend()

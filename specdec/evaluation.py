@@ -104,7 +104,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     def time_costs(reps: int) -> None:
         for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
                                   cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
-                                  native_layers=sampler.native_layers).items():
+                                  native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs).items():
             cost_times[n].extend(t)
 
     if cost_times:

@@ -56,11 +56,11 @@ def compose_train(overrides: list[str], tmp_path: Path, config_name: str = "trai
 
 
 @torch.no_grad()
-def prefill_and_verify(base, prompt: list[int], tree: bool, lean: bool = True):
+def prefill_and_verify(base, prompt: list[int], tree: bool, lean: bool = True, graphs: bool = False):
     """Through a SamplingContext: the prompt's prefill, then one verify call (one chain token, or a 2-branch tree:
     the root, two children of it, a grandchild of the second) -> the verify's hidden state and features
     {0, 2, LAST}."""
-    ctx = SamplingContext(base, 1, 64, lean=lean)
+    ctx = SamplingContext(base, 1, 64, lean=lean, graphs=graphs)
     ctx.commit_layout(len(prompt))
     ctx.base_forward(torch.tensor([prompt]))
     ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])

@@ -18,6 +18,8 @@ from sampling_stubs import Oracle, Table, micro_base
 from specdec.base import Base, tiny_base
 from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
+from specdec.drafters.prophet import Prophet
+from specdec.sampling import graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
 from test_sampling_decode import NEW, TINY_OVERRIDES, TREE, cfg, drafter_configs, prompts, reference  # noqa: F401
@@ -68,6 +70,26 @@ def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
     for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE]),
                dict(gamma=depth, lookup_tokens=4, lookup_min_ngram=1)):
         assert generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(gamma=4), dict(tree="static", paths=TREE),
+                                dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, rows):
+    """Every decode above runs through CUDA graphs (SamplerConfig's default); here: that they were recorded, for
+    the base and a drafter's own layers, and give the tokens of the same decode op by op."""
+    base = tiny_base(device="cuda")  # its own: a base's graph pools live as long as it does
+    drafter = Prophet(base).to(CUDA).eval() if kw else None
+    with torch.no_grad():  # so that some drafts are accepted
+        for p in drafter.parameters() if drafter is not None else []:
+            p.add_(torch.randn_like(p) * 0.05)
+    on = generate(base, prompts[:rows], drafter, cfg(**kw))
+    off = generate(base, prompts[:rows], drafter, cfg(cuda_graphs=False, **kw))
+    assert on.tokens.tolist() == off.tokens.tolist() == reference(base, prompts[:rows])
+    recorded = {p.store: p.graphs for p in graphs.pools(base) if p.graphs}
+    assert set(recorded) == ({"base", "prophet"} if kw else {"base"})
+    assert all(g.graph is not None for found in recorded.values() for g in found.values())
+    assert sum(p.captures for p in graphs.pools(base)) == sum(len(g) for g in recorded.values())
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])

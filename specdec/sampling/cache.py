@@ -79,6 +79,14 @@ class SlotCache(Cache):
             layer.lazy_initialization(like.new_empty(shape), like.new_empty(shape))
         return layer.keys, layer.values
 
+    def share(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make layer `layer_idx` store into the given buffers [B, kv_heads, >= max_len, head_dim] (a CUDA graph
+        pool's, which its recorded forwards write too)."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlotLayer(self))
+        layer = self.layers[layer_idx]
+        layer.keys, layer.values, layer.is_initialized = keys, values, True
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` [B'] of every layer."""
         for layer in self.layers:

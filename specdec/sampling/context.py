@@ -17,6 +17,7 @@ from torch import nn
 from specdec.base import Base
 from specdec.sampling import native_layer
 from specdec.sampling.cache import SlotCache
+from specdec.sampling.graphs import MAX_QUERIES, MAX_ROWS, GraphPool, claim
 from specdec.sampling.lean import LeanLayer, lean, lean_rope
 from specdec.sampling.rotary import RotaryTable
 
@@ -25,10 +26,15 @@ _PENDING = object()  # a layout's mask not made yet
 
 
 class SamplingContext:
-    def __init__(self, base: Base, batch_size: int, max_len: int, lean: bool = True):
+    def __init__(self, base: Base, batch_size: int, max_len: int, lean: bool = True, graphs: bool = False):
         self.base = base
         self.max_len = max_len
         self.lean = lean  # Llama-style layers through specdec.sampling.lean (False: each layer's own HF forward)
+        # forwards of a few tokens (base and drafter layers) replayed from CUDA graphs (graphs.py) where they can be;
+        # a store a graph runs on then lives in its pool's buffers
+        self.graphs = graphs
+        self.pools: dict[str, GraphPool] = {}  # store -> its pool
+        self._adopted: set[tuple[str, tuple[LeanLayer, ...]]] = set()
         self.stores: dict[str, SlotCache] = {"base": SlotCache(max_len)}
         self.length = torch.zeros(batch_size, dtype=torch.long, device=base.device)  # [B] committed L_b
         self.length_host = [0] * batch_size  # the same on the host: sizes the key window without a sync
@@ -40,6 +46,8 @@ class SamplingContext:
         self.width = 0
         self.write_start: int | None = None
         self.span = (0, 0)  # lowest and highest position of the layout (host ints)
+        self.rel: torch.Tensor | None = None  # [n] (CPU) round slot of each query
+        self.depth: torch.Tensor | None = None  # [n] (CPU) rotary depth of each query past the committed length
         self.rope: RotaryTable | None = None  # made on the first forward
 
     # -- layouts -------------------------------------------------------------------------------
@@ -65,6 +73,7 @@ class SamplingContext:
         self.slots = self.length[:, None] + rel.to(dev)[None]  # [B, n]
         self.positions = self.length[:, None] + depth.to(dev)[None]  # [B, n]
         self.span = (lmin + min(depth_host), lmax + max(depth_host))
+        self.rel, self.depth = rel, depth
         contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
         self.write_start = lmax + rel_host[0] if lmin == lmax and contiguous else None
         self._visible = visible[:, :r]
@@ -110,7 +119,13 @@ class SamplingContext:
         self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
     ) -> torch.Tensor:
         """DraftContext.run_layers: HF decoder layers over hidden [B, n, H] in the current layout -> [B, n, H]."""
-        return self._run(layers, self._lean(layers), hidden, self._store(store), position_offset)[0]
+        fast = self._lean(layers)
+        cache = self._store(store)
+        pool = self._graph_pool(store, fast, hidden)
+        if pool is not None:
+            return pool.forward(fast, hidden, self.length, self.rel, self.depth, self._visible,
+                                offset=position_offset)[0]
+        return self._run(layers, fast, hidden, cache, position_offset)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
              position_offset: int = 0, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -175,9 +190,14 @@ class SamplingContext:
         fast = self._lean(base.layers)
         if all(f is not None for f in fast):  # the model's forward, embeddings to norm, with every layer lean
             wanted = {l % (n + 1) for l in feature_layers}
-            hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), self._store("base"),
-                                       keep=wanted - {n})
-            hidden = base.norm(hidden)
+            cache = self._store("base")
+            pool = self._graph_pool("base", fast, input_ids)
+            if pool is not None:
+                hidden, inputs = pool.forward(fast, input_ids, self.length, self.rel, self.depth, self._visible,
+                                              embed=True, keep=wanted - {n})
+            else:
+                hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), cache, keep=wanted - {n})
+                hidden = base.norm(hidden)
             return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
         out = base.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
@@ -185,6 +205,25 @@ class SamplingContext:
         )
         hidden = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
         return out.last_hidden_state, hidden
+
+    def _graph_pool(self, store: str, fast: list[LeanLayer | None], x: torch.Tensor) -> GraphPool | None:
+        """The pool whose recorded graphs run `fast` over x [B, n(, H)] on `store` in the current layout, its
+        buffers made the store's; None where this forward runs eagerly (graphs off, a prefill, a layer without a
+        lean forward)."""
+        if not self.graphs or x.shape[1] > MAX_QUERIES or x.shape[0] > MAX_ROWS or any(f is None for f in fast):
+            return None
+        if min(self.length_host) == 0:  # a prefill (or a drafter reading it): its length is seen once, not recorded
+            return None
+        if store not in self.pools:
+            self.pools[store] = claim(self, store, len(self.length_host), self.max_len)
+        pool = self.pools[store]
+        if pool.rope(x.dtype if x.is_floating_point() else self.base.dtype) is None:
+            return None  # the rotary has no exact table: positions are computed per call
+        key = (store, tuple(fast))
+        if key not in self._adopted:
+            pool.adopt(self.stores[store], fast)
+            self._adopted.add(key)
+        return pool
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def move_path(self, verify_rel: torch.Tensor, draft_rel: torch.Tensor) -> None:
@@ -199,6 +238,10 @@ class SamplingContext:
     def keep_rows(self, keep: list[int]) -> None:
         """Drop every row but those at batch positions `keep` [B'] from the lengths and every store."""
         index = torch.tensor(keep, device=self.length.device)
+        if self.pools:  # the stores become copies of fewer rows: eager forwards from here on
+            for pool in self.pools.values():
+                pool.owner = None
+            self.pools, self.graphs = {}, False
         self.length = self.length[index]
         self.length_host = [self.length_host[i] for i in keep]
         for store in self.stores.values():

@@ -51,6 +51,9 @@ class SamplerConfig:
     # CPU, measured kernels, lean: a lean layer as one native call (native_layer.py) where that measures faster on this
     # machine, for a batch of one; False: the lean layers in PyTorch ops
     native_layers: bool = True
+    # CUDA: base forwards of up to 64 tokens (decode steps, verifies) replayed from CUDA graphs recorded on first use
+    # (graphs.py); False: launched op by op
+    cuda_graphs: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
@@ -256,6 +259,11 @@ def check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, dr
     return need
 
 
+def use_graphs(cfg: SamplerConfig, device: torch.device) -> bool:
+    """Whether a decode records CUDA graphs: on CUDA where the config asks (elsewhere nothing is recorded)."""
+    return cfg.cuda_graphs and device.type == "cuda"
+
+
 def _first_token(cfg: SamplerConfig, logits: torch.Tensor, uniform: RowUniform) -> torch.Tensor:
     finite(logits, "at the prompt's last position")
     if cfg.temperature == 0:
@@ -276,7 +284,8 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     curve = None
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
-        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers)
+        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers,
+                            cfg.cuda_graphs)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers) if fast
           else nullcontext()):
@@ -292,7 +301,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     max_len = check_inputs(base, prompt_ids, cfg, drafter)
     lens = [len(p) for p in prompt_ids]
     longest = max(lens)
-    ctx = SamplingContext(base, b, max_len, lean=cfg.lean)
+    ctx = SamplingContext(base, b, max_len, lean=cfg.lean, graphs=use_graphs(cfg, dev))
     uniform = RowUniform(generator, b, dev)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
 

@@ -1,0 +1,138 @@
+"""CUDA graphs (specdec/sampling/graphs.py): the static forward a graph records gives the eager forward's numbers, and
+decoding through it is greedy-identical for every drafter family, chains and trees, ragged batches; pools are reused
+by later decodes and never shared by two live ones; what can't be recorded runs eagerly. On the CPU nothing is
+recorded and the static forward runs eagerly: that is what these tests check. tests/test_cuda.py records and replays
+on a GPU."""
+
+from __future__ import annotations
+
+import gc
+
+import hydra
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import prefill_and_verify
+from sampling_stubs import Oracle
+from specdec.base import tiny_base
+from specdec.sampling import decode, graphs
+from specdec.sampling.context import SamplingContext
+from specdec.sampling.rotary import RotaryTable
+from test_sampling_decode import TINY_OVERRIDES, TREE, cfg, drafter_configs, reference
+
+
+@pytest.fixture
+def base():
+    return tiny_base()  # its own: the pools of a base live as long as it does
+
+
+@pytest.fixture
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+@pytest.fixture
+def graphs_on(monkeypatch):
+    """Decodes take the graph path on the CPU too (the static forward, run eagerly)."""
+    monkeypatch.setattr(decode, "use_graphs", lambda c, device: c.cuda_graphs)
+
+
+def recorded(base) -> dict[str, int]:
+    """store -> graphs made in the base's pools."""
+    out: dict[str, int] = {}
+    for pool in graphs.pools(base):
+        if pool.graphs:
+            out[pool.store] = out.get(pool.store, 0) + len(pool.graphs)
+    return out
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_static_forward_gives_the_eager_numbers(base, tree):
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        want, want_feats = prefill_and_verify(base, prompt, tree)
+        got, feats = prefill_and_verify(base, prompt, tree, graphs=True)
+    assert recorded(base) == {"base": 1}  # the verify (the prefill ran eagerly)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer in want_feats:
+        torch.testing.assert_close(feats[layer], want_feats[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_plain_decoding_is_greedy_identical(base, prompts, graphs_on):
+    ref = reference(base, prompts)
+    assert decode.generate(base, prompts[:1], None, cfg()).tokens.tolist() == ref[:1]
+    assert recorded(base) == {"base": 1}  # every step after the prefill: one token
+    # a ragged batch: rows leave it as they finish, and the rest decode eagerly
+    assert decode.generate(base, prompts, None, cfg()).tokens.tolist() == ref
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=4), dict(tree="static", paths=TREE),
+                                dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6)])
+@pytest.mark.parametrize("right_for", [0, 2, 100])
+def test_chains_and_trees_are_greedy_identical(base, prompts, graphs_on, kw, right_for):
+    assert decode.generate(base, prompts, Oracle(base, right_for), cfg(**kw)).tokens.tolist() == reference(base, prompts)
+    assert recorded(base)["base"] >= 1
+
+
+@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
+def test_every_drafter_family_is_greedy_identical(base, prompts, graphs_on, path):
+    """Drafters' own layers (prophet's blocks, an early exit's base layers and head) run through graphs too."""
+    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
+    drafter = hydra.utils.instantiate(node)(base=base)
+    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    depth = min(3, drafter.max_depth or 3)
+    ref = reference(base, prompts)
+    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE])):
+        assert decode.generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+    assert recorded(base)["base"] >= 1
+
+
+def decode_step(ctx: SamplingContext) -> None:
+    """A prefill of 3 tokens, then one decode step (the forward a graph records)."""
+    ctx.commit_layout(3)
+    ctx.base_forward(torch.tensor([[5, 6, 7]] * len(ctx.length_host)))
+    ctx.commit(torch.full((len(ctx.length_host),), 3), [3] * len(ctx.length_host))
+    ctx.commit_layout(1)
+    ctx.base_forward(torch.tensor([[8]] * len(ctx.length_host)))
+
+
+def test_pools_are_reused_and_never_shared(base):
+    with torch.no_grad():
+        first, second = SamplingContext(base, 1, 40, graphs=True), SamplingContext(base, 1, 40, graphs=True)
+        decode_step(first)
+        decode_step(second)
+        assert first.pools["base"] is not second.pools["base"]  # both alive: each its own buffers
+        pool = first.pools["base"]
+        del first
+        gc.collect()
+        third = SamplingContext(base, 1, 100, graphs=True)  # another length in the same slot bucket
+        decode_step(third)
+        assert third.pools["base"] is pool and len(pool.graphs) == 1  # recorded once, replayed by later decodes
+        batch = SamplingContext(base, 2, 40, graphs=True)
+        decode_step(batch)
+        assert batch.pools["base"] not in (pool, second.pools["base"])  # another batch size: other buffers
+
+
+def test_prefills_run_eagerly(base):
+    with torch.no_grad():
+        ctx = SamplingContext(base, 1, 200, graphs=True)
+        n = graphs.MAX_QUERIES + 1
+        ctx.commit_layout(n)
+        ctx.base_forward(torch.randint(3, 250, (1, n)))
+    assert recorded(base) == {}
+
+
+def test_without_an_exact_rotary_table_decoding_runs_eagerly(base, prompts, graphs_on, monkeypatch):
+    monkeypatch.setattr(RotaryTable, "_agrees", lambda self, like: False)
+    r = decode.generate(base, prompts, Oracle(base, 2), cfg(gamma=3))
+    assert r.tokens.tolist() == reference(base, prompts)
+    assert recorded(base) == {}
+
+
+def test_off_means_off(base, prompts, graphs_on):
+    decode.generate(base, prompts, Oracle(base, 2), cfg(gamma=3, cuda_graphs=False))
+    assert recorded(base) == {}
