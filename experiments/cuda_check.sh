@@ -7,12 +7,12 @@
 #   demo   make demo's three steps on the GPU: the quick feature cache, the demo's four Hydra heads, HumanEval
 #          evaluated as make demo does (a 10-node dynamic tree with and without n-gram lookup, lookup alone, HF
 #          generate), then the same heads as the tree sized by the verify cost (dynamic_by_cost)
-#   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 with CUDA graphs and with
-#          cuda_graphs=false (op by op), and as a dynamic tree of depth 6
+#   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 and a dynamic tree of
+#          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, prophet)
+# of them and drafter, drafter_eager, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed.
 set -u
@@ -48,7 +48,7 @@ for s in ${STEPS:-tests bench demo}; do
     tests)
       step tests "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py ;;
     bench)
-      step bench "$py" experiments/bench_ar.py --device cuda --threads 4 --prompts 4 --max-new-tokens 128 \
+      step bench "$py" experiments/bench_ar.py --device cuda --threads 4 --prompts 6 --max-new-tokens 128 \
         --out "$out/bench" ;;
     demo)
       step demo_features "$py" -m specdec.data.features max_train_blocks=600 'data.source.kinds=[complete]' \
@@ -63,11 +63,12 @@ for s in ${STEPS:-tests bench demo}; do
     drafter)  # a drafter trained elsewhere (the CPU recipes of logs/recipe/), on the GPU's cost model
       step drafter_chain "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler.gamma=4 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/drafter_chain"
-      step drafter_chain_eager "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler.gamma=4 sampler.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
-        hydra.run.dir="$out/drafter_chain_eager"
       step drafter_tree "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler=dynamic_tree sampler.dynamic_depth=6 'peers=[]' wandb.enabled=false hydra.run.dir="$out/drafter_tree" ;;
+    drafter_eager)
+      step drafter_chain_eager "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
+        sampler.gamma=4 sampler.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
+        hydra.run.dir="$out/drafter_chain_eager" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
       step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
         hydra.run.dir="$work/completions_run"
@@ -81,7 +82,7 @@ for s in ${STEPS:-tests bench demo}; do
       step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
         sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
         wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
-    *) echo "unknown step $s (tests, bench, demo, drafter, prophet)"; failed=1 ;;
+    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, prophet)"; failed=1 ;;
   esac
 done
 exit $failed

@@ -118,8 +118,9 @@ def test_decoding_is_greedy_identical_with_native_layers(base, forced, kw):
 
 @needs_compiler
 def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
-    """A drafter's lean block may multiply with bfloat16 copies of its weights (draft_precision=bf16); its native form
-    (exact weights) is still checked against the exact lean forward, so it is attached, and decoding stays lossless."""
+    """A drafter's lean block may multiply with bfloat16 copies of its weights (draft_precision=bf16); so does its
+    native form (half the bytes to stream), checked against the exact lean forward to the bf16 tolerance, while the
+    base's layers that the early exit runs too stay exact; decoding stays lossless."""
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
     rounded = KernelTable(None, candidates={"linear": CANDIDATES["linear"]},
                           bf16={"linear_bf16": BF16["linear_bf16"]}, rows=(1, 2, 4, 8, 16))
@@ -130,7 +131,8 @@ def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
     block = lean(drafter.exits[0].blocks[0])
     with measured_kernels(base, drafter, table=rounded, bf16=[drafter]):
         assert "forward" in block.qkv.__dict__  # its products are the rounded ones ...
-        assert block.native is not None  # ... and its native layer was attached all the same
+        assert block.native is not None and block.native.bf16  # ... and so are its native layer's
+        assert all(not lean(layer).native.bf16 for layer in base.layers)  # the base's own: exact
         prompts = [list(range(30, 49))]
         fast = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3))
     stock = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3,
@@ -191,6 +193,11 @@ def test_layers_it_does_not_compute_are_refused(base):
     assert native_layer.build(lean(odd.layers[0]), native.pack) is None
     wrong = native_layer.NativeLayer(fast, native.pack)
     wrong.struct.eps = 0.5  # a layer whose numbers differ from its lean layer's is not used
+    assert not native_layer.agrees(wrong)
+    rounded = native_layer.build(fast, lambda w: native.pack(w.to(torch.bfloat16)), bf16=True)
+    assert rounded is not None and rounded.bf16  # bfloat16 weights: within the bf16 tolerance of the exact layer
+    wrong = native_layer.NativeLayer(fast, lambda w: native.pack(w.to(torch.bfloat16)), bf16=True)
+    wrong.struct.eps = 0.5
     assert not native_layer.agrees(wrong)
 
 

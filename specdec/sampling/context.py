@@ -49,6 +49,9 @@ class SamplingContext:
         self.rel: torch.Tensor | None = None  # [n] (CPU) round slot of each query
         self.depth: torch.Tensor | None = None  # [n] (CPU) rotary depth of each query past the committed length
         self.rope: RotaryTable | None = None  # made on the first forward
+        # device copies of the small layout tensors (a decode repeats a few layouts): a blocking copy from host memory
+        # would make the host wait for the GPU's queue on every forward
+        self._copies: dict[tuple, torch.Tensor] = {}
 
     # -- layouts -------------------------------------------------------------------------------
     def commit_layout(self, n: int) -> None:
@@ -62,7 +65,6 @@ class SamplingContext:
         self._layout(rel_slots, depth, visible)
 
     def _layout(self, rel: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> None:
-        dev = self.length.device
         rel_host, depth_host = rel.tolist(), depth.tolist()  # a few ints: host arithmetic beats tensor ops here
         n = len(rel_host)
         r = max(rel_host) + 1  # round slots past the last query are never visible: keep them out of the window
@@ -70,14 +72,27 @@ class SamplingContext:
         self.width = lmax + r
         if self.width > self.max_len:
             raise RuntimeError(f"KV window {self.width} exceeds the preallocated {self.max_len} slots")
-        self.slots = self.length[:, None] + rel.to(dev)[None]  # [B, n]
-        self.positions = self.length[:, None] + depth.to(dev)[None]  # [B, n]
+        self.slots = self.length[:, None] + self.on_device(rel)[None]  # [B, n]
+        self.positions = self.length[:, None] + self.on_device(depth)[None]  # [B, n]
         self.span = (lmin + min(depth_host), lmax + max(depth_host))
         self.rel, self.depth = rel, depth
         contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
         self.write_start = lmax + rel_host[0] if lmin == lmax and contiguous else None
         self._visible = visible[:, :r]
         self._mask = _PENDING
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small CPU tensor on the context's device, copied once per distinct value."""
+        dev = self.length.device
+        if dev.type == "cpu":
+            return t
+        key = (t.dtype, tuple(t.shape), t.numpy().tobytes())
+        have = self._copies.get(key)
+        if have is None:
+            if len(self._copies) >= 1024:  # (a dynamic tree's layouts vary; most recur)
+                self._copies.clear()
+            have = self._copies[key] = t.to(dev)
+        return have
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -96,11 +111,11 @@ class SamplingContext:
             if n == 1 and bool(visible.all()):
                 return None  # one query that sees the whole window: sdpa needs no mask
             mask = torch.zeros(n, self.width, dtype=dtype, device=dev)
-            mask[:, lmax:].masked_fill_(~visible.to(dev), neg)  # the committed prefix is seen by all
+            mask[:, lmax:].masked_fill_(~self.on_device(visible), neg)  # the committed prefix is seen by all
             return mask.expand(self.length.shape[0], 1, n, self.width)
         key_rel = torch.arange(self.width, device=dev)[None] - self.length[:, None]  # [B, W]
         in_round = (key_rel >= 0) & (key_rel < r)
-        seen = visible.to(dev)[:, key_rel.clamp(0, r - 1)].permute(1, 0, 2)  # [B, n, W]
+        seen = self.on_device(visible)[:, key_rel.clamp(0, r - 1)].permute(1, 0, 2)  # [B, n, W]
         allowed = (key_rel < 0)[:, None, :] | (in_round[:, None, :] & seen)
         return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, neg)[:, None]
 
@@ -123,8 +138,7 @@ class SamplingContext:
         cache = self._store(store)
         pool = self._graph_pool(store, fast, hidden)
         if pool is not None:
-            return pool.forward(fast, hidden, self.length, self.rel, self.depth, self._visible,
-                                offset=position_offset)[0]
+            return pool.forward(fast, hidden, self.length, *self._graph_layout(), offset=position_offset)[0]
         return self._run(layers, fast, hidden, cache, position_offset)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
@@ -193,8 +207,8 @@ class SamplingContext:
             cache = self._store("base")
             pool = self._graph_pool("base", fast, input_ids)
             if pool is not None:
-                hidden, inputs = pool.forward(fast, input_ids, self.length, self.rel, self.depth, self._visible,
-                                              embed=True, keep=wanted - {n})
+                hidden, inputs = pool.forward(fast, input_ids, self.length, *self._graph_layout(), embed=True,
+                                              keep=wanted - {n})
             else:
                 hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), cache, keep=wanted - {n})
                 hidden = base.norm(hidden)
@@ -224,6 +238,10 @@ class SamplingContext:
             pool.adopt(self.stores[store], fast)
             self._adopted.add(key)
         return pool
+
+    def _graph_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layout as a recorded forward takes it: rel [n], depth [n], visible [n, r] on the device."""
+        return self.on_device(self.rel), self.on_device(self.depth), self.on_device(self._visible.contiguous())
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def move_path(self, verify_rel: torch.Tensor, draft_rel: torch.Tensor) -> None:

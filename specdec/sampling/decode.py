@@ -218,9 +218,8 @@ def _lookup(cfg: SamplerConfig, prompt_ids: list[list[int]], out: list[list[int]
     return lookup_round(root, [p or [0] for p in proposals])
 
 
-def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform):
-    dev = logits.device
-    parents, anc, depth = rnd.parents.to(dev), rnd.ancestors.to(dev), rnd.depth.to(dev)
+def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform, ctx: SamplingContext):
+    parents, anc, depth = ctx.on_device(rnd.parents), ctx.on_device(rnd.ancestors), ctx.on_device(rnd.depth)
     present = rnd.present()  # [B, N] or None: each row's own draft length (adaptive)
     if cfg.temperature == 0:
         return verify.greedy(logits, rnd.tokens, parents, anc, depth, present)
@@ -229,7 +228,7 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUn
         return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform,
                               present)
     max_depth = int(rnd.depth.max())
-    return verify.rejection(p, rnd.tokens, rnd.children().to(dev), rnd.q, max_depth, uniform, present)
+    return verify.rejection(p, rnd.tokens, ctx.on_device(rnd.children()), rnd.q, max_depth, uniform, present)
 
 
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
@@ -360,11 +359,11 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
         logits = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
         t2 = wall_clock(dev)
-        best, bonus = _accept(cfg, rnd, logits, uniform)  # [B], [B]
+        best, bonus = _accept(cfg, rnd, logits, uniform, ctx)  # [B], [B]
         # the accepted path, root first, padded by repeating its last node: [B, D + 1]
-        on_path = rnd.ancestors.to(dev)[best]  # [B, N]
+        on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
         n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
-        depth = rnd.depth.to(dev)
+        depth = ctx.on_device(rnd.depth)
         path = torch.where(on_path, depth[None], rnd.size).argsort(-1)[:, : int(rnd.depth.max()) + 1]
         path = torch.where(torch.arange(path.shape[1], device=dev)[None] <= n_acc[:, None], path,
                            best[:, None])  # ancestors sorted by depth, then `best` again as padding

@@ -104,7 +104,7 @@ class GraphPool:
         """The layers `fast` over x (token ids [B, n] with embed: then the base's embeddings first and its final
         norm last; else hidden states [B, n, H]) at round slots rel [n] after each row's committed length [B]
         (device), rotated at length + depth [n] + offset, query i seeing round slots visible[i] [n, r] (rel, depth
-        and visible on the CPU) -> [B, n, H] and {i: the input of layer i} for i in keep; fresh tensors, not the
+        and visible on the device, or the CPU: a blocking copy) -> [B, n, H] and {i: the input of layer i} for i in keep; fresh tensors, not the
         graph's."""
         n = x.shape[1]
         key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.sampling import native, native_layer
-from specdec.sampling.lean import decode_linears
+from specdec.sampling.lean import decode_linears, lean_layers
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
@@ -437,8 +437,11 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
         if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
             lin.forward = _forward(lin, plan)
             patched.append(lin)
-    # then whole layers in one native call where that measures faster than the lean layers with these kernels
-    attached = [fast for mod in modules if lean and native_layers for fast in native_layer.attach(mod, table)]
+    # then whole layers in one native call where that measures faster than the lean layers with these kernels (a
+    # drafter's in bfloat16 where its products may be, the layers another module runs too excepted)
+    held = {fast for mod in modules if not any(mod is b for b in bf16) for fast in lean_layers(mod)} if lean else ()
+    attached = [fast for mod in modules if lean and native_layers
+                for fast in native_layer.attach(mod, table, any(mod is b for b in bf16), held)]
     try:
         yield table
     finally:

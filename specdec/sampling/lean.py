@@ -73,7 +73,8 @@ class LeanLayer(nn.Module):
         # taken for a batch of one with n rows where native_rows[n]
         self.native = None
         self.native_rows: list[bool] = []
-        self.native_built = False  # native_layer.stack's: its native form once built (None: it has none)
+        # native_layer.stack's: its native form once built, with exact or bfloat16 weights (None: it has none)
+        self.native_built: dict[bool, object] = {}
 
     @property
     def current(self) -> bool:

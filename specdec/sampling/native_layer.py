@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from specdec.sampling.kernels import KernelTable
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows run the lean layer
+BF16_TOLERANCE = 2e-2  # a layer with bfloat16 weights against the exact lean one (kernels.TOLERANCE["bf16"])
 PROMPT = 128  # the cached window the measurement attends over (a short prompt, as make bench's)
 
 
@@ -38,7 +39,7 @@ class _Layer(ctypes.Structure):
                                                         "values")] + \
                [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                    "max_len")] + \
-               [("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("bf16", ctypes.c_int)]
 
 
 _SCRATCH = torch.empty(0)  # layer.c's working memory, shared by every native layer (they run one after another)
@@ -52,10 +53,11 @@ def _scratch(floats: int) -> torch.Tensor:
 
 
 class NativeLayer:
-    """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> its packed copy."""
+    """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> its packed copy, in
+    bfloat16 where `bf16` (a drafter's layer whose products may be rounded: draft_precision=bf16)."""
 
-    def __init__(self, fast: LeanLayer, operand):
-        self.fast = fast
+    def __init__(self, fast: LeanLayer, operand, bf16: bool = False):
+        self.fast, self.bf16 = fast, bf16
         norm1, norm2, o_proj, down_proj, act = fast._parts
         self.lib = native._library()
         self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
@@ -66,6 +68,7 @@ class NativeLayer:
         s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
         s.qkv, s.o, s.gate_up, s.down = (p.blocks.data_ptr() for p in self.packed)
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
+        s.bf16 = int(bf16)
 
     @property
     def current(self) -> bool:
@@ -177,19 +180,20 @@ def _is_silu(act) -> bool:
         return False
 
 
-def build(fast: LeanLayer, operand) -> NativeLayer | None:
+def build(fast: LeanLayer, operand, bf16: bool = False) -> NativeLayer | None:
     """The native form of a lean layer, checked against it (`agrees`), or None where layer.c cannot take it."""
     if not NativeLayer.supports(fast):
         return None
-    layer = NativeLayer(fast, operand)
+    layer = NativeLayer(fast, operand, bf16)
     return layer if agrees(layer) else None
 
 
 @torch.no_grad()
 def agrees(layer: NativeLayer, n: int = 3) -> bool:
     """Whether the native layer gives the lean layer's output on n random tokens after a few cached ones (causal
-    mask) and on one token that sees the whole window (no mask). The lean layer multiplies with PyTorch's own products
-    for it: inside `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
+    mask) and on one token that sees the whole window (no mask): what it adds to its input, to float32 rounding, or
+    for a bfloat16 one to the kernel table's bf16 tolerance. The lean layer multiplies with PyTorch's own exact products for it: inside
+    `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
     fast = layer.fast
     _, _, o_proj, down_proj, _ = fast._parts
     patched = {l: l.__dict__.pop("forward") for l in (fast.qkv, o_proj, fast.gate_up, down_proj)
@@ -226,7 +230,9 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
         ref, got = outs
         if got is None or not bool(torch.isfinite(got).all()):
             return False
-        if float((got - ref).abs().max()) > 1e-4 * float(ref.abs().max()):
+        # compared on what the layer adds to its input: the residual would hide an error in it
+        tolerance = BF16_TOLERANCE if layer.bf16 else 1e-4
+        if float((got - ref).abs().max()) > tolerance * float((ref - hidden).abs().max()):
             return False
     return True
 
@@ -270,15 +276,18 @@ RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this 
 _CHECKED: set[str] = set()  # stacks whose stored timings this process has re-checked
 
 
-def attach(module: nn.Module, table: KernelTable) -> list[LeanLayer]:
+def attach(module: nn.Module, table: KernelTable, bf16: bool = False,
+           exact: Collection[LeanLayer] = ()) -> list[LeanLayer]:
     """Give `module`'s lean layers their native form at the row counts where a pass through the stack of them
     measured faster native (measured once per machine and stack, stored in `table`, and re-checked once per process
-    at one row). Returns the layers it attached to (for `detach`); a layer already attached (nested use) is left."""
-    natives = [n for n in stack(module, table) if n.fast.native is None]
+    at one row). bf16: with bfloat16 copies of the weights (a drafter's, as its products may be), except for layers
+    in `exact` (the base's, which a drafter may run too). Returns the layers it attached to (for `detach`); a layer
+    already attached (nested use) is left."""
+    natives = [n for n in stack(module, table, bf16, exact) if n.fast.native is None]
     if not natives:
         return []
-    # the stack's shapes, the row counts and layer.c itself: a change to any is measured anew
-    shapes = " ".join(f"{tuple(w.shape)}" for n in natives for w in n.weights)
+    # the stack's shapes and precisions, the row counts and layer.c itself: a change to any is measured anew
+    shapes = " ".join(f"{tuple(w.shape)}{'bf16' if n.bf16 else ''}" for n in natives for w in n.weights)
     key = hashlib.sha1((shapes + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
     t0 = time.perf_counter()
     times = table.layers.get(key)
@@ -311,17 +320,25 @@ def detach(fasts: list[LeanLayer]) -> None:
         fast.native, fast.native_rows = None, []
 
 
-def stack(module: nn.Module, table: KernelTable) -> list[NativeLayer]:
+def stack(module: nn.Module, table: KernelTable, bf16: bool = False,
+          exact: Collection[LeanLayer] = ()) -> list[NativeLayer]:
     """The native forms of `module`'s lean layers that have one, in order, over packed copies of their weights (the
-    table's, shared with the products' kernel where that is the packed one): built and checked once, and again if a
-    weight changed."""
-    shared = "native_packed" in table.candidates
-    operand = (lambda w: table.operand("native_packed", w)) if shared else native.pack
+    table's, shared with the products' kernel where that is the packed one; bfloat16 ones where bf16, except for
+    layers in `exact`): built and checked once, and again if a weight changed."""
     out = []
     for fast in lean_layers(module):
-        have = fast.native_built
+        rounded = bf16 and fast not in exact
+        have = fast.native_built.get(rounded, False)
         if have is False or (have is not None and not have.current):
-            have = fast.native_built = build(fast, operand)
+            have = fast.native_built[rounded] = build(fast, _operand(table, rounded), rounded)
         if have is not None:
             out.append(have)
     return out
+
+
+def _operand(table: KernelTable, bf16: bool):
+    """weight -> its packed copy (bfloat16 where bf16): the table's, where it offers the packed kernel."""
+    name = "native_packed_bf16" if bf16 else "native_packed"
+    if name in table.candidates or name in table.bf16:
+        return lambda w: table.operand(name, w)
+    return (lambda w: native.pack(w.to(torch.bfloat16))) if bf16 else native.pack
