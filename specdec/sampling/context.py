@@ -84,7 +84,7 @@ class SamplingContext:
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small CPU tensor on the context's device, copied once per distinct value."""
         dev = self.length.device
-        if dev.type == "cpu":
+        if t.device == dev:
             return t
         key = (t.dtype, tuple(t.shape), t.numpy().tobytes())
         have = self._copies.get(key)
