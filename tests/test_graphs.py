@@ -7,6 +7,7 @@ on a GPU."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import hydra
 import pytest
@@ -136,3 +137,13 @@ def test_without_an_exact_rotary_table_decoding_runs_eagerly(base, prompts, grap
 def test_off_means_off(base, prompts, graphs_on):
     decode.generate(base, prompts, Oracle(base, 2), cfg(gamma=3, cuda_graphs=False))
     assert recorded(base) == {}
+
+
+def test_pools_go_with_their_base(prompts, graphs_on):
+    base = tiny_base()
+    decode.generate(base, prompts[:1], None, cfg())
+    model = weakref.ref(base.model)
+    assert graphs.pools(base)
+    del base
+    gc.collect()
+    assert model() is None  # the pools (and their buffers) held no reference to the model

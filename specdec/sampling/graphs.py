@@ -61,9 +61,10 @@ class GraphPool:
     and the graphs recorded over them. One context holds it at a time (`claim`)."""
 
     def __init__(self, base, store: str, batch: int, max_len: int):
-        like = base.lm_head.weight
-        self.base, self.store, self.batch, self.max_len = base, store, batch, max_len
-        self.device = like.device
+        self.store, self.batch, self.max_len = store, batch, max_len
+        # the parts of the base it runs (not the model itself: a model's pools go with it, see _POOLS)
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.device = base.lm_head.weight.device
         self.record = self.device.type == "cuda"  # elsewhere the static forward runs eagerly (tests)
         self.cache = SlotCache(max_len)  # the graphs' view of the buffers; its slots are set inside the graph
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] static input
@@ -79,7 +80,7 @@ class GraphPool:
     def rope(self, dtype: torch.dtype) -> RotaryTable | None:
         """The rotary table in dtype, None where it does not reproduce the model's rotary (no graph then)."""
         if dtype not in self.ropes:
-            self.ropes[dtype] = RotaryTable(self.base.rotary_emb, torch.empty(0, dtype=dtype, device=self.device),
+            self.ropes[dtype] = RotaryTable(self.rotary, torch.empty(0, dtype=dtype, device=self.device),
                                             self.max_len)
         table = self.ropes[dtype]
         return table if table.exact else None
@@ -104,8 +105,8 @@ class GraphPool:
         """The layers `fast` over x (token ids [B, n] with embed: then the base's embeddings first and its final
         norm last; else hidden states [B, n, H]) at round slots rel [n] after each row's committed length [B]
         (device), rotated at length + depth [n] + offset, query i seeing round slots visible[i] [n, r] (rel, depth
-        and visible on the device, or the CPU: a blocking copy) -> [B, n, H] and {i: the input of layer i} for i in keep; fresh tensors, not the
-        graph's."""
+        and visible on the device, or the CPU: a blocking copy) -> [B, n, H] and {i: the input of layer i} for i in
+        keep; fresh tensors, not the graph's."""
         n = x.shape[1]
         key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset)
         graph = self.graphs.get(key)
@@ -124,8 +125,8 @@ class GraphPool:
     def static_forward(self, fast: Sequence[LeanLayer], x: torch.Tensor, layout: Layout, embed: bool,
                        keep: tuple[int, ...], offset: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """What a graph records: every tensor made from the static inputs x, layout and the pool's length [B]."""
-        base, length, m = self.base, self.length, self.max_len
-        hidden = base.embed_tokens(x) if embed else x  # [B, n, H]
+        length, m = self.length, self.max_len
+        hidden = self.embed(x) if embed else x  # [B, n, H]
         cache = self.cache
         cache.write_slots = length[:, None] + layout.rel[None]  # [B, n]
         cache.write_start, cache.width = None, m
@@ -142,7 +143,7 @@ class GraphPool:
             if i in keep:
                 kept[i] = hidden
             hidden = f.lean_forward(hidden, rope, mask, cache)
-        return (base.norm(hidden) if embed else hidden), kept
+        return (self.norm(hidden) if embed else hidden), kept
 
 
 class _Graph:
