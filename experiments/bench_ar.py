@@ -39,12 +39,10 @@ from specdec.sampling.lean import decode_linears  # noqa: E402
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
-def run_ours(base, prompt: list[int], max_new: int, kernels: str = "measured", lean: bool = True,
-             native_layers: bool = True, cuda_graphs: bool = True) -> tuple[int, float, float]:
-    """(tokens, total s, decode s): decode = after the prefill and its first token, the part the bandwidth bound
-    is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
-    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], cpu_kernels=kernels,
-                                                     lean=lean, native_layers=native_layers, cuda_graphs=cuda_graphs))
+def run_ours(base, prompt: list[int], max_new: int, **settings) -> tuple[int, float, float]:
+    """(tokens, total s, decode s) with these SamplerConfig settings: decode = after the prefill and its first token,
+    the part the bandwidth bound is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
+    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], **settings))
     return r.num_generated[0], r.total_s, r.decode_s
 
 
@@ -179,8 +177,7 @@ def main() -> None:
     run_ours(base, prompts[0], 8), run_hf(base, prompts[0], 8)  # warm-up, not timed
 
     runners = {"ours": run_ours, "hf": run_hf}
-    runners |= {f"ours_{name}": (lambda kw: lambda *a: run_ours(*a, **_run_kw(kw)))(kw)
-                for name, kw in variants.items()}
+    runners |= {f"ours_{name}": (lambda kw: lambda *a: run_ours(*a, **kw))(kw) for name, kw in variants.items()}
     rows = {name: [] for name in runners}
     for i, p in enumerate(prompts):
         names = list(runners)
@@ -258,11 +255,6 @@ def main() -> None:
     print(md)
 
 
-def _run_kw(kw: dict) -> dict:
-    """A variant's SamplerConfig settings as run_ours takes them."""
-    return {{"cpu_kernels": "kernels"}.get(k, k): v for k, v in kw.items()}
-
-
 def native_layers_ms(base) -> dict[int, dict[str, float]]:
     """{rows: {"lean": ms, "native": ms}}: one pass through the base's layer stack each way, as the sampler measures
     it to choose (native_layer.measure; empty where no native layer is built, e.g. on a GPU or without a compiler)."""
@@ -278,7 +270,8 @@ def on_cpu(r: dict) -> bool:
     return r.get("device", "cpu") == "cpu"  # reports from before --device have no "device"
 
 
-# variant -> its label: our loop with one setting changed (report keys ar_<name>_tok_s, t1_<name>_ms, verify_cost_<name>)
+# variant -> its label: our loop with one setting changed (report keys ar_<name>_tok_s, t1_<name>_ms and
+# verify_cost_<name>)
 VARIANTS = {"lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)"}
 

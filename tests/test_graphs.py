@@ -73,7 +73,8 @@ def test_plain_decoding_is_greedy_identical(base, prompts, graphs_on):
                                 dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6)])
 @pytest.mark.parametrize("right_for", [0, 2, 100])
 def test_chains_and_trees_are_greedy_identical(base, prompts, graphs_on, kw, right_for):
-    assert decode.generate(base, prompts, Oracle(base, right_for), cfg(**kw)).tokens.tolist() == reference(base, prompts)
+    got = decode.generate(base, prompts, Oracle(base, right_for), cfg(**kw)).tokens.tolist()
+    assert got == reference(base, prompts)
     assert recorded(base)["base"] >= 1
 
 

@@ -51,8 +51,8 @@ class SamplerConfig:
     # CPU, measured kernels, lean: a lean layer as one native call (native_layer.py) where that measures faster on this
     # machine, for a batch of one; False: the lean layers in PyTorch ops
     native_layers: bool = True
-    # CUDA: base forwards of up to 64 tokens (decode steps, verifies) replayed from CUDA graphs recorded on first use
-    # (graphs.py); False: launched op by op
+    # CUDA: forwards of up to 64 tokens (the base's decode steps and verifies, drafters' own layers) replayed from CUDA
+    # graphs recorded on first use (graphs.py); False: launched op by op
     cuda_graphs: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what

@@ -17,8 +17,8 @@ static form of `SamplingContext.base_forward` / `run_layers`:
 The math is the eager lean forward's (LeanLayer.lean_forward over the same weights): masked slots get weight 0, so
 attending over the whole buffer adds only zeros. What can't be recorded runs eagerly as before: prefills, forwards of
 more than MAX_QUERIES tokens or MAX_ROWS rows, layers without a lean forward, a rotary that a table does not
-reproduce, a batch that dropped rows. On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA only); the static forward itself runs
-on any device, which is how the tests check it without a GPU."""
+reproduce, a batch that dropped rows. On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA
+only); the static forward itself runs on any device, which is how the tests check it without a GPU."""
 
 from __future__ import annotations
 

@@ -192,8 +192,8 @@ def build(fast: LeanLayer, operand, bf16: bool = False) -> NativeLayer | None:
 def agrees(layer: NativeLayer, n: int = 3) -> bool:
     """Whether the native layer gives the lean layer's output on n random tokens after a few cached ones (causal
     mask) and on one token that sees the whole window (no mask): what it adds to its input, to float32 rounding, or
-    for a bfloat16 one to the kernel table's bf16 tolerance. The lean layer multiplies with PyTorch's own exact products for it: inside
-    `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
+    for a bfloat16 one to the kernel table's bf16 tolerance. The lean layer multiplies with PyTorch's own exact
+    products for it: inside `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
     fast = layer.fast
     _, _, o_proj, down_proj, _ = fast._parts
     patched = {l: l.__dict__.pop("forward") for l in (fast.qkv, o_proj, fast.gate_up, down_proj)

@@ -204,19 +204,19 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     if keep_going is not None:
         limit = torch.full_like(root, len(tree.levels))  # [B]
         going = torch.ones_like(root, dtype=torch.bool)  # [B] rows still drafting
-    dev = ctx.on_device  # the level's indices on the device once (an index from host memory would be a blocking copy)
+    on_device = ctx.on_device  # the levels' indices copied once (an index in host memory would be a blocking copy)
     for level in tree.levels:
         ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
-        logits = drafter.expand(state, ctx, tokens[:, dev(level.frontier)], level.parents, level.depth,
+        logits = drafter.expand(state, ctx, tokens[:, on_device(level.frontier)], level.parents, level.depth,
                                 level.frontier)  # [B, F, V_d]
         q = None
         if sample_chain is not None:
             token, q = sample_chain(drafter.full_vocab(logits[:, 0]))  # [B], [B, V]
-            tokens[:, dev(level.kids)] = token[:, None]
+            tokens[:, on_device(level.kids)] = token[:, None]
             qs.append(q)
         else:
             top = drafter.token_ids(logits.topk(level.top, dim=-1).indices)  # [B, F, k]
-            tokens[:, dev(level.kids)] = top[:, dev(level.parent_pos), dev(level.rank)]
+            tokens[:, on_device(level.kids)] = top[:, on_device(level.parent_pos), on_device(level.rank)]
         if keep_going is not None and level.depth + 1 < len(tree.levels):
             probs = q if q is not None else logits[:, 0].float().softmax(-1)  # [B, V] or [B, V_d]: the same top-1
             stop = going & ~keep_going(probs.max(-1).values)  # [B] rows whose chain ends at depth d + 1
