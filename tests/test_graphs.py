@@ -20,18 +20,12 @@ from specdec.base import tiny_base
 from specdec.sampling import decode, graphs
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.rotary import RotaryTable
-from test_sampling_decode import TINY_OVERRIDES, TREE, cfg, drafter_configs, reference
+from test_sampling_decode import TINY_OVERRIDES, TREE, cfg, drafter_configs, prompts, reference  # noqa: F401
 
 
 @pytest.fixture
 def base():
     return tiny_base()  # its own: the pools of a base live as long as it does
-
-
-@pytest.fixture
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9, 3)]
 
 
 @pytest.fixture
