@@ -1,6 +1,6 @@
 """The CUDA path on tiny bases: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
-n-gram lookup, the continuous batch of distillation, training (online, from a feature cache, bf16) and evaluate.py,
-each run on the GPU. Skipped where no GPU is visible (CI's machines have none); experiments/cuda_check.py runs this
+n-gram lookup, the CUDA graphs of the decode, the continuous batch of distillation, training (online, from a feature
+cache, bf16) and evaluate.py, each run on the GPU. Skipped where no GPU is visible (CI's machines have none); experiments/cuda_check.sh runs this
 file on a lent GPU, then the real base."""
 
 from __future__ import annotations
