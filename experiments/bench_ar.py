@@ -169,7 +169,8 @@ def main() -> None:
     hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     variants = ({"eager": {"cuda_graphs": False}} if cuda else  # name -> SamplerConfig settings, next to ours
-                {"lean": {"native_layers": False}, "stock": {"cpu_kernels": "stock"}})
+                {"logits": {"greedy_shortlist": False}, "lean": {"native_layers": False},
+                 "stock": {"cpu_kernels": "stock"}})
     variants["hf_layers"] = {"lean": False}
     identical = {"measured_kernels" if not cuda else "cuda_graphs": ours_toks.tolist() == hf_toks.cpu().tolist()}
     identical |= {"lean_layers" if name == "lean" else name: tokens(**kw).tolist() == hf_toks.cpu().tolist()
@@ -195,7 +196,7 @@ def main() -> None:
     ours_decode, hf_decode = decode_rate(rows["ours"]), decode_rate(rows["hf"])
 
     ns = list(range(1, args.max_n + 1))
-    costs = forward_costs(base, ns, prompt_len=len(prompts[0]))
+    costs = forward_costs(base, ns, prompt_len=len(prompts[0]), greedy_shortlist=True)  # T = 0, as ours decodes
     variant_costs = {name: forward_costs(base, ns, prompt_len=len(prompts[0]), **kw)
                      for name, kw in variants.items()}
     curve = verify_curve(costs)
@@ -272,13 +273,15 @@ def on_cpu(r: dict) -> bool:
 
 # variant -> its label: our loop with one setting changed (report keys ar_<name>_tok_s, t1_<name>_ms and
 # verify_cost_<name>)
-VARIANTS = {"lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
+VARIANTS = {"logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
+            "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)"}
 
 
 def render(r: dict) -> str:
     where = r["cpu"] if on_cpu(r) else f"{r['device']} (host: {r['cpu']})"
-    ours = "measured kernels, native layers" if on_cpu(r) else "CUDA graphs"
+    ours = ("measured kernels, native layers" + (", argmax shortlist" if "ar_logits_tok_s" in r else "")
+            if on_cpu(r) else "CUDA graphs")
     split = r["step_split"]
     lines = [f"# Cost model: {r['base']} ({r['dtype']}), {where}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
@@ -355,8 +358,9 @@ def plot(r: dict, path: Path) -> None:
     ns = [int(n) for n in r["verify_cost"]]
     ours = "native layers" if on_cpu(r) else "CUDA graphs"
     ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"{ours} (T_1 {r['t1_ms']:.2f} ms)")
-    short = {"lean": "lean layers", "stock": "stock", "eager": "op by op", "hf_layers": "HF layers"}
-    for (name, label), style in zip(short.items(), ("d-.", "s--", "v-.", "^:")):
+    short = {"logits": "fp32 logits", "lean": "lean layers", "stock": "stock", "eager": "op by op",
+             "hf_layers": "HF layers"}
+    for (name, label), style in zip(short.items(), ("x--", "d-.", "s--", "v-.", "^:")):
         if f"verify_cost_{name}" in r:
             ax.plot(ns, list(r[f"verify_cost_{name}"].values()), style, label=f"{label} (T_1 {r[f't1_{name}_ms']:.2f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)

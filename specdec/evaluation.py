@@ -104,7 +104,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     def time_costs(reps: int) -> None:
         for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
                                   cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
-                                  native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs).items():
+                                  native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs,
+                                  greedy_shortlist=sampler.temperature == 0 and sampler.greedy_shortlist).items():
             cost_times[n].extend(t)
 
     if cost_times:

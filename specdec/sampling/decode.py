@@ -12,6 +12,7 @@ import torch
 from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
 from specdec.sampling import verify
+from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import verify_costs, wall_clock
 from specdec.sampling.kernels import measured_kernels
@@ -54,6 +55,10 @@ class SamplerConfig:
     # CUDA: forwards of up to 64 tokens (the base's decode steps and verifies, drafters' own layers) replayed from CUDA
     # graphs recorded on first use (graphs.py); False: launched op by op
     cuda_graphs: bool = True
+    # CPU, measured kernels, T = 0: the base's argmax from a bfloat16 copy of its lm_head with the rows within the error
+    # bound recomputed exactly (argmax.py: the exact argmax from half the lm_head's bytes), where that measures faster
+    # than the lm_head's logits; False: always the logits
+    greedy_shortlist: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
@@ -218,11 +223,14 @@ def _lookup(cfg: SamplerConfig, prompt_ids: list[list[int]], out: list[list[int]
     return lookup_round(root, [p or [0] for p in proposals])
 
 
-def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform, ctx: SamplingContext):
+def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform: RowUniform, ctx: SamplingContext,
+            target: torch.Tensor | None = None):
+    """logits [B, N, V], or at T = 0 target [B, N] the base's argmax (then logits may be None)."""
     parents, anc, depth = ctx.on_device(rnd.parents), ctx.on_device(rnd.ancestors), ctx.on_device(rnd.depth)
     present = rnd.present()  # [B, N] or None: each row's own draft length (adaptive)
     if cfg.temperature == 0:
-        return verify.greedy(logits, rnd.tokens, parents, anc, depth, present)
+        target = logits.argmax(-1) if target is None else target
+        return verify.greedy_targets(target, rnd.tokens, parents, anc, depth, present)
     p = verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B, N, V]
     if cfg.acceptance == "typical":
         return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform,
@@ -284,7 +292,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
         rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers,
-                            cfg.cuda_graphs)
+                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers) if fast
           else nullcontext()):
@@ -303,6 +311,9 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     ctx = SamplingContext(base, b, max_len, lean=cfg.lean, graphs=use_graphs(cfg, dev))
     uniform = RowUniform(generator, b, dev)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
+    # T = 0 on the CPU: the verify's argmax without the lm_head's float32 logits, where that measures faster
+    head = shortlist(base.lm_head) if (cfg.temperature == 0 and cfg.greedy_shortlist and dev.type == "cpu"
+                                       and cfg.cpu_kernels == "measured") else None
 
     # -- prefill --------------------------------------------------------------------------------
     t_start = wall_clock(dev)
@@ -357,9 +368,12 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         t1 = wall_clock(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
-        logits = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}")  # [B, N, V]
+        if head is not None:
+            logits, target = None, head.argmax(hidden)  # [B, N]
+        else:
+            logits, target = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}"), None
         t2 = wall_clock(dev)
-        best, bonus = _accept(cfg, rnd, logits, uniform, ctx)  # [B], [B]
+        best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]
         # the accepted path, root first, padded by repeating its last node: [B, D + 1]
         on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
         n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
@@ -388,8 +402,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             sel = path[:, :n]  # [B, n]
             gathered = {l: h.gather(1, sel[..., None].expand(-1, -1, h.shape[-1])) for l, h in feats.items()}
             ctx.commit_layout(n)
-            drafter.observe(state, ctx, Features(gathered, logits.gather(1, sel[..., None].expand(
-                -1, -1, logits.shape[-1]))), path_tokens[:, :n], n_acc + 1, bonus)
+            kept = None if logits is None else logits.gather(1, sel[..., None].expand(-1, -1, logits.shape[-1]))
+            drafter.observe(state, ctx, Features(gathered, kept), path_tokens[:, :n], n_acc + 1, bonus)
         ctx.commit(torch.tensor(n_new_host, device=dev), n_new_host)
         root = bonus
         keep = [i for i, row in enumerate(rows) if not done[row]]

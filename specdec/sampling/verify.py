@@ -74,7 +74,13 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, an
     """T = 0: a node is right when it is the base's argmax after its parent. logits [B, N, V], tokens [B, N],
     parents [N] (-1 root), ancestors [N, N] bool (ancestor-or-self), depth [N]; present [B, N] bool: the nodes
     each row proposes (None = all; a row's chain may end early with an adaptive draft length)."""
-    target = logits.argmax(-1)  # [B, N]
+    return greedy_targets(logits.argmax(-1), tokens, parents, ancestors, depth, present)
+
+
+def greedy_targets(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
+                   depth: torch.Tensor, present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy` from the base's argmax token after each node, target [B, N] (argmax.py computes it without the
+    logits)."""
     ok = tokens == target[:, parents.clamp(min=0)]
     if present is not None:
         ok &= present
