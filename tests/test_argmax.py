@@ -52,7 +52,7 @@ def test_rows_bfloat16_cannot_tell_apart():
 @needs_compiler
 def test_greedy_identical_through_the_shortlist(monkeypatch):
     base = tiny_base()
-    monkeypatch.setattr(argmax, "_faster", lambda made, lm_head: True)  # always take it
+    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [True] * 65)  # always take it
     calls = []
     run = Shortlist.argmax
     monkeypatch.setattr(Shortlist, "argmax", lambda self, h: calls.append(1) or run(self, h))
@@ -74,15 +74,22 @@ def test_without_the_library_the_logits_are_computed(monkeypatch):
 
 
 @needs_compiler
+def test_used_only_at_the_row_counts_where_it_wins(monkeypatch):
+    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [False, True, False] + [True] * 14)
+    head = argmax.shortlist(tiny_base().lm_head)
+    assert head.wins(1) and not head.wins(2) and head.wins(16) and not head.wins(17)
+
+
+@needs_compiler
 def test_slower_means_not_used(monkeypatch):
-    monkeypatch.setattr(argmax, "_faster", lambda made, lm_head: False)
+    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [False] * 17)
     assert argmax.shortlist(tiny_base().lm_head) is None
 
 
 @needs_compiler
 def test_off_and_sampling_mean_logits(monkeypatch):
     base = tiny_base()
-    monkeypatch.setattr(argmax, "_faster", lambda made, lm_head: True)
+    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [True] * 17)
     monkeypatch.setattr(Shortlist, "argmax", lambda self, h: pytest.fail("the shortlist ran"))
     prompts = [[5, 6, 7, 8, 9]]
     generate(base, prompts, None, SamplerConfig(max_new_tokens=4, eos_token_id=[], greedy_shortlist=False))

@@ -4,14 +4,15 @@ A verify at T = 0 needs only argmax_v h·w_v per query, not the logits, and Smol
 fifth of the bytes a decode step streams on a CPU. `Shortlist` multiplies h with a bfloat16 copy ŵ of the weight
 (half the bytes; smallm.c's bf16 kernel, float32 sums) and bounds every row's error rigorously:
 
-    |h·w_v − h·ŵ_v| ≤ ‖h‖·‖w_v − ŵ_v‖  (Cauchy–Schwarz)   and the float32 sums' own rounding ≤ ε·‖h‖·‖ŵ_v‖,
+    |h·w_v − h·ŵ_v| ≤ ‖h‖·‖w_v − ŵ_v‖  (Cauchy–Schwarz)   and the float32 sums' own rounding ≤ ε·‖h‖·‖ŵ_v‖
 
 so with b = ‖h‖·max_v(‖w_v − ŵ_v‖ + ε‖ŵ_v‖), the exact argmax is among the rows whose approximate logit is within 2b
 of the approximate maximum. Those few rows are multiplied again with the float32 weight and the best of them is
 taken (the first on a tie, as argmax over all logits takes it). The answer is the argmax of float32 logits, as the
 full product's; only the order of the float32 sums differs, as between any two float32 kernels.
 
-Used where it measures faster than the lm_head's own measured kernel (`shortlist`: once per process and weight);
+Used at the row counts where it measures faster than the lm_head's own measured kernel (`shortlist`: once per process
+and weight, each call timed after flushing the caches, as a decode step finds them);
 elsewhere, at T > 0 (which needs the whole distribution), or without the native library, the logits are computed."""
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from torch import nn
 
 from specdec.sampling import native
 
-# a float32 sum of I products is off by at most ~I·2^-24 of Σ|h_i||ŵ_i| ≤ I·2^-24·‖h‖·‖ŵ‖; 1e-4 covers I up to ~1600
-# with room, and I·2^-24 is added for wider rows
+# a float32 sum of I products is off by at most ~I·2^-24 of Σ|h_i||ŵ_i| ≤ I·2^-24·‖h‖·‖ŵ‖; twice that covers both the
+# approximate product's sums and the full float32 product's that greedy decoding would otherwise take. 1e-4 covers
+# I up to ~800 (SmolLM2: 576); wider rows get 2·I·2^-24
 ROUNDING = 1e-4
 
 
@@ -34,13 +36,18 @@ class Shortlist:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
+        self.rows: list[bool] = []  # [rows] whether to take it for a product of that many rows (set by `shortlist`)
         self.made_from = (weight.data_ptr(), weight._version)
         with torch.no_grad():
             rounded = weight.to(torch.bfloat16)
             self.packed = native.pack(rounded)
             error = (weight - rounded.float()).norm(dim=1)  # [V] ‖w_v − ŵ_v‖
-            eps = max(ROUNDING, weight.shape[1] * 2.0 ** -24)
+            eps = max(ROUNDING, 2 * weight.shape[1] * 2.0 ** -24)
             self.slack = float((error + eps * rounded.float().norm(dim=1)).max())  # per unit ‖h‖
+
+    def wins(self, rows: int) -> bool:
+        """Whether to take the argmax this way for `rows` query rows (B·n)."""
+        return rows < len(self.rows) and self.rows[rows]
 
     @property
     def current(self) -> bool:
@@ -68,15 +75,16 @@ class Shortlist:
         return vocab[exact.argmax(dim=1)].reshape(shape)
 
 
-# lm_head -> its Shortlist, or None where that measured slower than the lm_head's own forward
+# lm_head -> its Shortlist, or None where that measured slower at every row count
 _SHORTLISTS: weakref.WeakKeyDictionary[nn.Linear, Shortlist | None] = weakref.WeakKeyDictionary()
-ROWS = (1, 5, 12)  # row counts timed: the shortlist is used only where it wins at all of them
+ROWS = (1, 2, 4, 8, 12, 16)  # row counts timed; more rows take the logits
+FLUSH_BYTES = 256 << 20  # read between timed calls: in a decode the layers' weights have just evicted the lm_head's
 
 
 def shortlist(lm_head: nn.Linear) -> Shortlist | None:
-    """The lm_head's Shortlist where, on this machine, its argmax measures faster than the lm_head's forward (with
-    whatever kernel is patched in) followed by an argmax, at each of ROWS; None otherwise, or where it cannot run (no
-    native library, not float32 on the CPU). Measured once per process and weight (~0.2 s)."""
+    """The lm_head's Shortlist, its `rows` set to where on this machine its argmax measures faster than the lm_head's
+    forward (with whatever kernel is patched in) followed by an argmax; None where it wins at no row count or cannot
+    run (no native library, not float32 on the CPU). Measured once per process and weight (under a second)."""
     w = lm_head.weight
     if not (native.available() and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
             and lm_head.bias is None):
@@ -84,22 +92,27 @@ def shortlist(lm_head: nn.Linear) -> Shortlist | None:
     have = _SHORTLISTS.get(lm_head, False)
     if have is False or (have is not None and (have.weight is not w or not have.current)):
         made = Shortlist(w)
-        have = _SHORTLISTS[lm_head] = made if _faster(made, lm_head) else None
+        made.rows = _wins(made, lm_head)
+        have = _SHORTLISTS[lm_head] = made if any(made.rows) else None
     return have
 
 
 @torch.no_grad()
-def _faster(made: Shortlist, lm_head: nn.Linear, reps: int = 5) -> bool:
+def _wins(made: Shortlist, lm_head: nn.Linear, reps: int = 3) -> list[bool]:
+    """[rows] -> whether the shortlist's argmax beat the logits' at that row count (the next timed count up decides),
+    each call timed after the caches were flushed, as a decode step finds them."""
     g = torch.Generator().manual_seed(0)
+    flush = torch.empty(FLUSH_BYTES // 4)
+    faster = {}
     for rows in ROWS:
         h = torch.randn(rows, made.weight.shape[1], generator=g)
         best = {"logits": float("inf"), "shortlist": float("inf")}
         for rep in range(reps + 1):  # the first pass of each warms up
             for way in best:
+                flush.sum()
                 t = time.perf_counter()
                 made.argmax(h) if way == "shortlist" else lm_head(h).argmax(-1)
                 if rep:
                     best[way] = min(best[way], time.perf_counter() - t)
-        if best["shortlist"] >= best["logits"]:
-            return False
-    return True
+        faster[rows] = best["shortlist"] < best["logits"]
+    return [False] + [faster[min(r for r in ROWS if r >= n)] for n in range(1, max(ROWS) + 1)]

@@ -54,7 +54,7 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                 ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                 t0 = wall_clock(dev)
                 hidden, _ = ctx.base_forward(tokens)
-                head.argmax(hidden) if head is not None else base.lm_head(hidden)
+                head.argmax(hidden) if head is not None and head.wins(n) else base.lm_head(hidden)
                 if rep:
                     times[n].append(wall_clock(dev) - t0)
     return times

@@ -368,7 +368,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         t1 = wall_clock(dev)
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
         hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
-        if head is not None:
+        if head is not None and head.wins(hidden.shape[0] * hidden.shape[1]):
             logits, target = None, head.argmax(hidden)  # [B, N]
         else:
             logits, target = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}"), None
