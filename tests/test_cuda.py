@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import math
 
-import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from conftest import CONFIGS, compose_train
 from sampling_stubs import Oracle, Table, micro_base
@@ -22,7 +20,8 @@ from specdec.drafters.prophet import Prophet
 from specdec.sampling import graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
-from test_sampling_decode import NEW, TINY_OVERRIDES, TREE, cfg, drafter_configs, prompts, reference  # noqa: F401
+from test_sampling_decode import (NEW, TREE, assert_family_lossless, cfg, drafter_configs,  # noqa: F401
+                                  family_drafter, perturb, prompts, reference)
 from test_sampling_mc import PROMPT, chi_square_pvalue, exact_joint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
@@ -60,16 +59,9 @@ def test_chain_and_tree_greedy_identity(base, prompts, kw, right_for):
 
 @pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
 def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
-    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
-    drafter = hydra.utils.instantiate(node)(base=base).to(CUDA)
-    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    drafter = family_drafter(base, path)
     depth = min(3, drafter.max_depth or 3)
-    ref = reference(base, prompts)
-    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE]),
-               dict(gamma=depth, lookup_tokens=4, lookup_min_ngram=1)):
-        assert generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+    assert_family_lossless(base, prompts, drafter, dict(gamma=depth, lookup_tokens=4, lookup_min_ngram=1))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(gamma=4), dict(tree="static", paths=TREE),
@@ -80,9 +72,8 @@ def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, row
     the base and a drafter's own layers, and give the tokens of the same decode op by op."""
     base = tiny_base(device="cuda")  # its own: a base's graph pools live as long as it does
     drafter = Prophet(base).to(CUDA).eval() if kw else None
-    with torch.no_grad():  # so that some drafts are accepted
-        for p in drafter.parameters() if drafter is not None else []:
-            p.add_(torch.randn_like(p) * 0.05)
+    if drafter is not None:
+        perturb(drafter)
     on = generate(base, prompts[:rows], drafter, cfg(**kw))
     off = generate(base, prompts[:rows], drafter, cfg(cuda_graphs=False, **kw))
     assert on.tokens.tolist() == off.tokens.tolist() == reference(base, prompts[:rows])

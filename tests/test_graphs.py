@@ -9,10 +9,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-import hydra
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import prefill_and_verify
 from sampling_stubs import Oracle
@@ -20,7 +18,8 @@ from specdec.base import tiny_base
 from specdec.sampling import decode, graphs
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.rotary import RotaryTable
-from test_sampling_decode import TINY_OVERRIDES, TREE, cfg, drafter_configs, prompts, reference  # noqa: F401
+from test_sampling_decode import (TREE, assert_family_lossless, cfg, drafter_configs, family_drafter,  # noqa: F401
+                                  prompts, reference)
 
 
 @pytest.fixture
@@ -75,15 +74,7 @@ def test_chains_and_trees_are_greedy_identical(base, prompts, graphs_on, kw, rig
 @pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
 def test_every_drafter_family_is_greedy_identical(base, prompts, graphs_on, path):
     """Drafters' own layers (prophet's blocks, an early exit's base layers and head) run through graphs too."""
-    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
-    drafter = hydra.utils.instantiate(node)(base=base)
-    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    depth = min(3, drafter.max_depth or 3)
-    ref = reference(base, prompts)
-    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE])):
-        assert decode.generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+    assert_family_lossless(base, prompts, family_drafter(base, path))
     assert recorded(base)["base"] >= 1
 
 

@@ -79,18 +79,35 @@ def drafter_configs():
     return sorted(Path(__file__).resolve().parents[1].glob("configs/drafter/*.yaml"))
 
 
-@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
-def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
-    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
-    drafter = hydra.utils.instantiate(node)(base=base)
-    assert isinstance(drafter, Drafter)
-    with torch.no_grad():  # an untrained drafter accepts nothing: perturb it so some drafts are right
+def perturb(drafter: torch.nn.Module) -> None:
+    """An untrained drafter accepts nothing: perturb it so some drafts are right."""
+    with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+
+
+def family_drafter(base, path: Path) -> Drafter:
+    """The family of configs/drafter/<path> sized for the tiny base, on its device, perturbed, in eval mode."""
+    node = OmegaConf.merge(OmegaConf.load(path), TINY_OVERRIDES.get(path.stem, {}))
+    drafter = hydra.utils.instantiate(node)(base=base).to(base.device)
+    perturb(drafter)
+    return drafter.eval()
+
+
+def assert_family_lossless(base, prompts, drafter: Drafter, *more: dict) -> None:
+    """Greedy decoding with the drafter as a chain and as a static tree (and with each of `more` sampler settings)
+    gives plain greedy decoding's tokens."""
     depth = min(3, drafter.max_depth or 3)
     ref = reference(base, prompts)
-    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE])):
-        assert generate(base, prompts, drafter.eval(), cfg(**kw)).tokens.tolist() == ref
+    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE]), *more):
+        assert generate(base, prompts, drafter, cfg(**kw)).tokens.tolist() == ref
+
+
+@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
+def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
+    drafter = family_drafter(base, path)
+    assert isinstance(drafter, Drafter)
+    assert_family_lossless(base, prompts, drafter)
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=4), dict(tree="static", paths=TREE)])
