@@ -28,13 +28,13 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.sampling import native, native_layer  # noqa: E402
+from specdec.sampling import compact, native, native_layer  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 from specdec.sampling.graphs import pools as graph_pools  # noqa: E402
 from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
-from specdec.sampling.lean import decode_linears  # noqa: E402
+from specdec.sampling.lean import decode_linears, lean_layers  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
@@ -169,8 +169,8 @@ def main() -> None:
     hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
     variants = ({"eager": {"cuda_graphs": False}} if cuda else  # name -> SamplerConfig settings, next to ours
-                {"logits": {"greedy_shortlist": False}, "lean": {"native_layers": False},
-                 "stock": {"cpu_kernels": "stock"}})
+                {"float32": {"compact_weights": False}, "logits": {"greedy_shortlist": False},
+                 "lean": {"native_layers": False}, "stock": {"cpu_kernels": "stock"}})
     variants["hf_layers"] = {"lean": False}
     identical = {"measured_kernels" if not cuda else "cuda_graphs": ours_toks.tolist() == hf_toks.cpu().tolist()}
     identical |= {"lean_layers" if name == "lean" else name: tokens(**kw).tolist() == hf_toks.cpu().tolist()
@@ -205,11 +205,13 @@ def main() -> None:
     bandwidth = read_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
     bound = bandwidth / weight_bytes
+    # what a step of our loop streams where the weights hold exact compact forms (compact.py): each product's form
+    streamed = streamed_bytes(base) if dev.type == "cpu" else weight_bytes
     # Where v(n) comes from: the products alone at n rows against their roofline, max(stream the weights once,
     # 2·n·(weights) flops at the compute roof); the rest of T_n is attention, norms, rotary and dispatch.
     flops = gemm_flops(dev)
     gemm = gemm_curve(base, ns)
-    roof = {n: max(weight_bytes / bandwidth, 2 * n * weight_bytes / 4 / flops) for n in ns}
+    roof = {n: max(streamed / bandwidth, 2 * n * weight_bytes / 4 / flops) for n in ns}
 
     report = {
         "cpu": machine_key(), "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
@@ -234,6 +236,8 @@ def main() -> None:
         "step_split": split,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": round(bound, 2), "ar_share_of_bound": round(ours_mean / bound, 3),
+        "streamed_bytes": streamed, "streamed_bound_tok_s": round(bandwidth / streamed, 2),
+        "ar_decode_share_of_streamed_bound": round(ours_decode * streamed / bandwidth, 3),
         "ar_decode_share_of_bound": round(ours_decode / bound, 3),
         "gemm_gflop_s": round(flops / 1e9, 1),
         "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
@@ -257,14 +261,26 @@ def main() -> None:
 
 
 def native_layers_ms(base) -> dict[int, dict[str, float]]:
-    """{rows: {"lean": ms, "native": ms}}: one pass through the base's layer stack each way, as the sampler measures
-    it to choose (native_layer.measure; empty where no native layer is built, e.g. on a GPU or without a compiler)."""
+    """{rows: {"lean": ms, "native": ms, "compact": ms}}: one pass through the base's layer stack each way (the native
+    layers over float32 weights and over their exact compact forms), as the sampler measures it to choose
+    (native_layer.measure; empty where no native layer is built, e.g. on a GPU or without a compiler)."""
     if base.device.type != "cpu":
         return {}
     with measured_kernels(base, native_layers=False) as table:
-        layers = native_layer.stack(base, table)
-        times = native_layer.measure(layers) if layers else {}
+        fasts = lean_layers(base)
+        ways = {way: list(native_layer.stack(fasts, table, lambda f, form=form: form).values())
+                for way, form in (("native", "exact"), ("compact", "compact"))}
+        ways = {way: layers for way, layers in ways.items() if layers}
+        times = native_layer.measure(ways) if ways else {}
     return {r: {way: round(t * 1e3, 2) for way, t in ways.items()} for r, ways in times.items()}
+
+
+def streamed_bytes(base) -> int:
+    """Bytes of the base's decode products (and lm_head) as our CPU loop holds them: each weight's exact compact form
+    where it has one (compact.py), else its float32 copy."""
+    weights = [lin.weight for lin in decode_linears(base)]
+    return sum(f.nbytes if f is not None else w.numel() * w.element_size()
+               for w in weights for f in [compact.form(w)])
 
 
 def on_cpu(r: dict) -> bool:
@@ -273,15 +289,16 @@ def on_cpu(r: dict) -> bool:
 
 # variant -> its label: our loop with one setting changed (report keys ar_<name>_tok_s, t1_<name>_ms and
 # verify_cost_<name>)
-VARIANTS = {"logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
+VARIANTS = {"float32": "compact_weights=false (every weight multiplied from its float32 copy)",
+            "logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
             "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)"}
 
 
 def render(r: dict) -> str:
     where = r["cpu"] if on_cpu(r) else f"{r['device']} (host: {r['cpu']})"
-    ours = ("measured kernels, native layers" + (", argmax shortlist" if "ar_logits_tok_s" in r else "")
-            if on_cpu(r) else "CUDA graphs")
+    ours = ("measured kernels, native layers" + (", compact weights" if "ar_float32_tok_s" in r else "")
+            + (", argmax shortlist" if "ar_logits_tok_s" in r else "") if on_cpu(r) else "CUDA graphs")
     split = r["step_split"]
     lines = [f"# Cost model: {r['base']} ({r['dtype']}), {where}", "", f"`{r['command']}`", "",
              f"{r['prompts']} HumanEval prompts, {r['max_new_tokens']} new tokens, batch 1, T=0, torch {r['torch']}, "
@@ -298,7 +315,12 @@ def render(r: dict) -> str:
              f"Bandwidth bound: {r['read_bandwidth_gb_s']:.1f} GB/s streaming read / {r['weight_bytes'] / 1e6:.0f} MB of "
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it "
              f"end to end and {r['ar_decode_share_of_bound']:.0%} in decode (the bound is per decode step; the prefill "
-             "is compute-bound and not in it).",
+             "is compute-bound and not in it)."
+             + (f" Our loop multiplies from the weights' exact compact forms where they have one "
+                f"({r['streamed_bytes'] / 1e6:.0f} MB per step): streamed at that bandwidth, "
+                f"{r['streamed_bound_tok_s']:.0f} tok/s, of which decode reaches "
+                f"{r['ar_decode_share_of_streamed_bound']:.0%} (the compact kernels are compute-bound here)."
+                if "streamed_bytes" in r and r["streamed_bytes"] != r["weight_bytes"] else ""),
              "", (f"One AR step (profiled, measured kernels, lean layers in PyTorch ops): "
                   f"{split['step_ms_profiled']:.1f} ms; GEMM "
                   f"{split['gemm_ms']:.1f} ms ({split['gemm_share']:.0%}), everything else {split['other_ms']:.1f} ms."
@@ -318,7 +340,7 @@ def render(r: dict) -> str:
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
              f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
-             f"n rows each, called one by one from Python. GEMM roofline: max(the weights streamed once at the read "
+             f"n rows each, called one by one from Python. GEMM roofline: max(the weights as held streamed once at the read "
              f"bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
              f"rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
              f"those calls from Python).", "",
@@ -345,7 +367,9 @@ def native_layer_lines(r: dict) -> list[str]:
             "| n | " + " | ".join(str(n) for n in layers) + " |", "|---" * (len(layers) + 1) + "|",
             "| lean layers (PyTorch ops, measured kernels) | " + " | ".join(f"{t['lean']:.1f}" for t in layers.values())
             + " |",
-            "| native layers | " + " | ".join(f"{t['native']:.1f}" for t in layers.values()) + " |", ""]
+            *[f"| native layers{label} | " + " | ".join(f"{t[way]:.1f}" for t in layers.values()) + " |"
+              for way, label in (("native", ", float32 weights"), ("compact", ", exact compact weights"))
+              if all(way in t for t in layers.values())], ""]
 
 
 def plot(r: dict, path: Path) -> None:
@@ -358,9 +382,9 @@ def plot(r: dict, path: Path) -> None:
     ns = [int(n) for n in r["verify_cost"]]
     ours = "native layers" if on_cpu(r) else "CUDA graphs"
     ax.plot(ns, list(r["verify_cost"].values()), "o-", label=f"{ours} (T_1 {r['t1_ms']:.2f} ms)")
-    short = {"logits": "fp32 logits", "lean": "lean layers", "stock": "stock", "eager": "op by op",
+    short = {"float32": "float32 weights", "logits": "fp32 logits", "lean": "lean layers", "stock": "stock", "eager": "op by op",
              "hf_layers": "HF layers"}
-    for (name, label), style in zip(short.items(), ("x--", "d-.", "s--", "v-.", "^:")):
+    for (name, label), style in zip(short.items(), ("*-", "x--", "d-.", "s--", "v-.", "^:")):
         if f"verify_cost_{name}" in r:
             ax.plot(ns, list(r[f"verify_cost_{name}"].values()), style, label=f"{label} (T_1 {r[f't1_{name}_ms']:.2f} ms)")
     ax.axhline(1.0, color="k", lw=0.8)

@@ -105,7 +105,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
                                   cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
                                   native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs,
-                                  greedy_shortlist=sampler.temperature == 0 and sampler.greedy_shortlist).items():
+                                  greedy_shortlist=sampler.temperature == 0 and sampler.greedy_shortlist,
+                                  compact_weights=sampler.compact_weights).items():
             cost_times[n].extend(t)
 
     if cost_times:

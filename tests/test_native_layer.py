@@ -124,10 +124,10 @@ def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
     rounded = KernelTable(None, candidates={"linear": CANDIDATES["linear"]},
                           bf16={"linear_bf16": BF16["linear_bf16"]}, rows=(1, 2, 4, 8, 16))
-    rounded.prepare = lambda weights, bf16=False: None  # no measuring: pick bf16 for the drafter's products below
-    rounded.plan = lambda w, uniform=None, bf16=False: (
+    rounded.prepare = lambda weights, bf16=False, **kw: None  # no measuring: pick bf16 for the drafter's products below
+    rounded.plan = lambda w, uniform=None, bf16=False, **kw: (
         [None] + [(BF16["linear_bf16"].run, w.to(torch.bfloat16))] * 16 if bf16 else [None] * 17)
-    rounded.arbitrate = lambda weights, bf16=False: {}
+    rounded.arbitrate = lambda weights, bf16=False, **kw: {}
     block = lean(drafter.exits[0].blocks[0])
     with measured_kernels(base, drafter, table=rounded, bf16=[drafter]):
         assert "forward" in block.qkv.__dict__  # its products are the rounded ones ...
@@ -147,7 +147,7 @@ def test_chosen_by_measurement_and_stored(base, monkeypatch):
     verdict = {"lean": 1.0, "native": 2.0}
     measured = []
 
-    def fake(natives, reps=3, counts=native_layer.ROWS):
+    def fake(ways, reps=3, counts=native_layer.ROWS):
         measured.append(counts)
         return {r: dict(verdict) for r in counts}
 
@@ -194,9 +194,9 @@ def test_layers_it_does_not_compute_are_refused(base):
     wrong = native_layer.NativeLayer(fast, native.pack)
     wrong.struct.eps = 0.5  # a layer whose numbers differ from its lean layer's is not used
     assert not native_layer.agrees(wrong)
-    rounded = native_layer.build(fast, lambda w: native.pack(w.to(torch.bfloat16)), bf16=True)
+    rounded = native_layer.build(fast, lambda w: native.pack(w.to(torch.bfloat16)), "bf16")
     assert rounded is not None and rounded.bf16  # bfloat16 weights: within the bf16 tolerance of the exact layer
-    wrong = native_layer.NativeLayer(fast, lambda w: native.pack(w.to(torch.bfloat16)), bf16=True)
+    wrong = native_layer.NativeLayer(fast, lambda w: native.pack(w.to(torch.bfloat16)), "bf16")
     wrong.struct.eps = 0.5
     assert not native_layer.agrees(wrong)
 

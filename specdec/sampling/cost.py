@@ -20,14 +20,14 @@ from specdec.sampling.kernels import KernelTable, measured_kernels
 def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
                   cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None,
                   native_layers: bool = True, cuda_graphs: bool = True,
-                  greedy_shortlist: bool = False) -> dict[int, float]:
+                  greedy_shortlist: bool = False, compact_weights: bool = True) -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
-    included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs` and
-    `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`: the kernel table,
+    included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`
+    and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`: the kernel table,
     the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy machine
     hits every n alike."""
     times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table, native_layers, cuda_graphs,
-                          greedy_shortlist)
+                          greedy_shortlist, compact_weights)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -35,7 +35,8 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
 def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
                   cpu_kernels: str = "measured", lean: bool = True,
                   table: KernelTable | None = None, native_layers: bool = True,
-                  cuda_graphs: bool = True, greedy_shortlist: bool = False) -> dict[int, list[float]]:
+                  cuda_graphs: bool = True, greedy_shortlist: bool = False,
+                  compact_weights: bool = True) -> dict[int, list[float]]:
     """`forward_costs`' timings, every one (`reps` per n, after one warm-up pass that is not kept): a caller that
     samples again later, e.g. between an evaluation's prompts, pools them all."""
     dev = base.device
@@ -43,7 +44,8 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     fast = cpu_kernels == "measured" and dev.type == "cpu"
     times: dict[int, list[float]] = {n: [] for n in ns}
-    with measured_kernels(base, table=table, lean=lean, native_layers=native_layers) if fast else nullcontext():
+    with (measured_kernels(base, table=table, lean=lean, native_layers=native_layers, compact=compact_weights) if fast
+          else nullcontext()):
         ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, lean=lean, graphs=cuda_graphs and dev.type == "cuda")
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)
@@ -61,26 +63,28 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     return times
 
 
-# base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist): v(0..n)}: each base's curve, measured
+# base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights): v(0..n)}: each base's
+# curve, measured
 # once per process
 _CURVES: weakref.WeakKeyDictionary[Base, dict[tuple, list[float]]] = weakref.WeakKeyDictionary()
 
 
 def verify_costs(base: Base, n_max: int, cpu_kernels: str = "measured", lean: bool = True,
-                 native_layers: bool = True, cuda_graphs: bool = True, greedy_shortlist: bool = False) -> list[float]:
+                 native_layers: bool = True, cuda_graphs: bool = True, greedy_shortlist: bool = False,
+                 compact_weights: bool = True) -> list[float]:
     """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on this machine, measured once per
     process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every 4th beyond, a size
     between two measured ones charged the next measured size up (the curve rises in steps: a new pass over the
     weights every few rows on a CPU)."""
     curves = _CURVES.setdefault(base, {})
-    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist)
+    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights)
     have = curves.get(key)
     if have is not None and len(have) > n_max:
         return have[: n_max + 1]
     grid = sorted({*range(1, min(n_max, 16) + 1), *range(20, n_max + 1, 4), n_max})
     t0 = time.perf_counter()
     costs = forward_costs(base, grid, reps=5, cpu_kernels=cpu_kernels, lean=lean, native_layers=native_layers,
-                          cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist)
+                          cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist, compact_weights=compact_weights)
     print(f"[specdec] verify-cost curve v(1..{n_max}) measured in {time.perf_counter() - t0:.1f} s", flush=True)
     v = [0.0] + [costs[min(g for g in grid if g >= n)] / costs[1] for n in range(1, n_max + 1)]
     curves[key] = v

@@ -59,6 +59,11 @@ class SamplerConfig:
     # bound recomputed exactly (argmax.py: the exact argmax from half the lm_head's bytes), where that measures faster
     # than the lm_head's logits; False: always the logits
     greedy_shortlist: bool = True
+    # CPU, measured kernels: a base weight whose float32 numbers have an exact compact form (compact.py: the GGUF's Q4_1
+    # / Q8_0 blocks the embedded SmolLM2 was dequantised from, or bfloat16 values) is multiplied from that form where
+    # it measures faster: the same numbers from a sixth to a half of the bytes, so decoding stays lossless. False: the
+    # float32 copies
+    compact_weights: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
@@ -292,10 +297,10 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
         rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers,
-                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist)
+                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
-    with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers) if fast
-          else nullcontext()):
+    with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
+                           compact=cfg.compact_weights) if fast else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 

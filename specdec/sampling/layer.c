@@ -5,9 +5,11 @@ On a 2-core CPU an AR step of SmolLM2-135M spends ~16 of its ~40 ms outside the 
 layer dispatches per token costs microseconds of framework overhead, 30 layers times over. Here the layer is one
 ctypes call: RMSNorm, the fused q|k|v product, rotary on q and k, the keys and values written into the slot cache,
 attention over the cache window (with the caller's additive mask, or none), the output product and residual, RMSNorm,
-the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernel
-(the weights in its layout; for a drafter's layers under draft_precision=bf16, bfloat16 copies: half the bytes to
-stream), everything else vectorised here; smallm_layers runs a model's whole stack in one call.
+the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernels,
+each over its weight in the form the caller chose: float32, bfloat16 (a drafter's rounded copy under
+draft_precision=bf16, or a weight that holds bfloat16 values exactly), or an exact compact form (compact.py's q4 / q8:
+the same float32 numbers from a sixth or a quarter of the bytes); everything else vectorised here; smallm_layers runs a
+model's whole stack in one call.
 (make bench, 2-core Intel Xeon family 6 model 167: a pass through SmolLM2's 30 layers 14.9 ms at one token against
 25.3 ms for the lean layers with their measured kernels, and 24.4 against 46.1 ms at 12 tokens.) Numbers: the same math as the lean layer in float32,
 summed in another order (native.py checks every layer against the lean one before it is used, and measurement decides
@@ -27,23 +29,31 @@ Built into the same library as smallm.c (native.py compiles both). */
 
 void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int O, int threads); /* smallm.c */
 void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int I, int O, int threads);
+void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
+void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
+
+enum { QKV, OUT, GATE_UP, DOWN };   /* a layer's products, in the order it runs them */
+enum { F32, BF16, Q4, Q8 };         /* the form a product's weight is held in (native_layer.FORMATS) */
 
 /* A layer's fixed parts: pointers into tensors the Python side keeps alive (native_layer.NativeLayer). */
 typedef struct {
     const float *norm1, *norm2;                  /* [H] RMSNorm weights */
-    const void *qkv, *o, *gate_up, *down;        /* packed copies of the fused products (smallm_pack_rows layout) */
+    const void *weights[4];                      /* the products' weights (QKV..DOWN) in smallm.c's packed layouts */
     float *keys, *values;                        /* this layer's slot cache, [kv_heads, max_len, d] each */
     int hidden, heads, kv_heads, head_dim, intermediate, max_len;
     float eps, scaling;
-    int bf16;                                    /* the packed copies hold bfloat16 (a drafter's rounded weights) */
+    int formats[4];                              /* each weight's form: F32, BF16, Q4 or Q8 */
 } layer_t;
 
-/* y [M, O] = x [M, I] · wᵀ with w packed as the layer holds it */
-static void product(const layer_t *L, const float *x, const void *w, float *y, int M, int I, int O, int threads) {
-    if (L->bf16)
-        smallm_packed_bf16(x, (const uint16_t *)w, y, M, I, O, threads);
-    else
-        smallm_packed(x, (const float *)w, y, M, I, O, threads);
+/* y [M, O] = x [M, I] · wᵀ for the layer's product `which`, by the kernel of its weight's form */
+static void product(const layer_t *L, int which, const float *x, float *y, int M, int I, int O, int threads) {
+    const void *w = L->weights[which];
+    switch (L->formats[which]) {
+    case BF16: smallm_packed_bf16(x, (const uint16_t *)w, y, M, I, O, threads); break;
+    case Q4: smallm_packed_q4(x, w, y, M, I, O, threads); break;
+    case Q8: smallm_packed_q8(x, w, y, M, I, O, threads); break;
+    default: smallm_packed(x, (const float *)w, y, M, I, O, threads);
+    }
 }
 
 typedef float fvec __attribute__((vector_size(PLANES * sizeof(float))));
@@ -195,7 +205,7 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
     float *scores = act + (size_t)n * inter;                     /* [threads, width] */
 
     rms_norm(h, L->norm1, x, n, H, L->eps);
-    product(L, x, L->qkv, wide, n, H, qkv_width, threads);      /* [n, (heads + 2kv)·d]: q | k | v per row */
+    product(L, QKV, x, wide, n, H, qkv_width, threads);      /* [n, (heads + 2kv)·d]: q | k | v per row */
     for (int r = 0; r < n; r++) {
         float *row = wide + (size_t)r * qkv_width;
         for (int hd = 0; hd < heads + kv; hd++) rotate(row + (size_t)hd * d, cos + (size_t)r * d, sin + (size_t)r * d, d);
@@ -219,11 +229,11 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
                L->values + (size_t)g * L->max_len * d, mask ? mask + (size_t)r * width : NULL,
                scores + (size_t)t * width, att + (size_t)r * heads * d + (size_t)hd * d, width, d, L->scaling);
     }
-    product(L, att, L->o, y, n, heads * d, H, threads);
+    product(L, OUT, att, y, n, heads * d, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
 
     rms_norm(h, L->norm2, x, n, H, L->eps);
-    product(L, x, L->gate_up, wide, n, H, 2 * inter, threads);  /* [n, 2·inter]: gate | up per row */
+    product(L, GATE_UP, x, wide, n, H, 2 * inter, threads);  /* [n, 2·inter]: gate | up per row */
     for (int r = 0; r < n; r++) {
         const float *gate = wide + (size_t)r * 2 * inter, *up = gate + inter;
         float *a = act + (size_t)r * inter;
@@ -234,7 +244,7 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
         }
         for (; i < inter; i++) a[i] = gate[i] / (1.0f + vexp_scalar(-gate[i])) * up[i];
     }
-    product(L, act, L->down, y, n, inter, H, threads);
+    product(L, DOWN, act, y, n, inter, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
     return 0;
 }

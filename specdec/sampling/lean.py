@@ -70,11 +70,15 @@ class LeanLayer(nn.Module):
         self.scaling = attn.scaling
         self.intermediate = mlp.gate_proj.weight.shape[0]
         # the same layer in one native call (native_layer.py), attached by measured_kernels where it measured faster:
-        # taken for a batch of one with n rows where native_rows[n]
-        self.native = None
-        self.native_rows: list[bool] = []
-        # native_layer.stack's: its native form once built, with exact or bfloat16 weights (None: it has none)
-        self.native_built: dict[bool, object] = {}
+        # for a batch of one with n rows, native_rows[n] (None: the lean forward)
+        self.native_rows: list = []
+        # native_layer.stack's: its native form once built, per form its weights are held in (None: it has none)
+        self.native_built: dict[str, object] = {}
+
+    @property
+    def native(self):
+        """The native form attached for some row count, or None."""
+        return next((layer for layer in self.native_rows if layer is not None), None)
 
     @property
     def current(self) -> bool:
@@ -88,8 +92,9 @@ class LeanLayer(nn.Module):
         """hidden [B, n, H]; rope = `lean_rope` of the model's (cos, sin); mask [B, 1, n, W] additive or None; cache:
         an HF Cache whose `update` stores this call's keys and returns the keys and values to attend -> [B, n, H]."""
         b, n, _ = hidden.shape
-        if b == 1 and n < len(self.native_rows) and self.native_rows[n] and hidden.dtype == torch.float32:
-            out = self.native(hidden, rope, mask, cache)
+        native = self.native_rows[n] if b == 1 and n < len(self.native_rows) else None
+        if native is not None and hidden.dtype == torch.float32:
+            out = native(hidden, rope, mask, cache)
             if out is not None:
                 return out
         return self.lean_forward(hidden, rope, mask, cache)

@@ -122,7 +122,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to that
     # one by its soname, so both share one thread pool instead of two fighting over the cores
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.smallm_gemm, lib.smallm_gemm_bf16, lib.smallm_packed, lib.smallm_packed_bf16):
+    products = ("smallm_gemm", "smallm_gemm_bf16", "smallm_packed", "smallm_packed_bf16", "smallm_packed_q4",
+                "smallm_packed_q8")
+    for fn in (getattr(lib, name) for name in products if hasattr(lib, name)):  # (an older revision lacks some)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.smallm_pack_rows.restype = ctypes.c_int

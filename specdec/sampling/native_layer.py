@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.sampling import native
+from specdec.sampling import compact, native
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer, lean_layers, lean_rope
 
@@ -35,11 +35,18 @@ PROMPT = 128  # the cached window the measurement attends over (a short prompt, 
 class _Layer(ctypes.Structure):
     """layer.c's layer_t."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "qkv", "o", "gate_up", "down", "keys",
-                                                        "values")] + \
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("weights", ctypes.c_void_p * 4),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)] + \
                [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                    "max_len")] + \
-               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("bf16", ctypes.c_int)]
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("formats", ctypes.c_int * 4)]
+
+
+# layer.c's code for the form a product's weight is held in: native.Packed by its dtype, compact.Compact by its kind
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, "bf16": 1, "q4": 2, "q8": 3}
+# how a NativeLayer holds its weights: exact = float32, bf16 = rounded to bfloat16 (a drafter's, draft_precision=bf16),
+# compact = each weight's exact compact form where it has one (compact.py), else float32
+FORMS = ("exact", "bf16", "compact")
 
 
 _SCRATCH = torch.empty(0)  # layer.c's working memory, shared by every native layer (they run one after another)
@@ -53,11 +60,12 @@ def _scratch(floats: int) -> torch.Tensor:
 
 
 class NativeLayer:
-    """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> its packed copy, in
-    bfloat16 where `bf16` (a drafter's layer whose products may be rounded: draft_precision=bf16)."""
+    """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> the copy of it layer.c
+    reads (native.Packed or compact.Compact), as `form` (FORMS) makes them."""
 
-    def __init__(self, fast: LeanLayer, operand, bf16: bool = False):
-        self.fast, self.bf16 = fast, bf16
+    def __init__(self, fast: LeanLayer, operand, form: str = "exact"):
+        self.fast, self.form = fast, form
+        self.bf16 = form == "bf16"  # its products are rounded (checked to the bf16 tolerance, not float32 rounding)
         norm1, norm2, o_proj, down_proj, act = fast._parts
         self.lib = native._library()
         self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
@@ -66,9 +74,9 @@ class NativeLayer:
         s = self.struct = _Layer()
         s.hidden, s.heads, s.kv_heads = fast.qkv.weight.shape[1], fast.heads, fast.kv_heads
         s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
-        s.qkv, s.o, s.gate_up, s.down = (p.blocks.data_ptr() for p in self.packed)
+        s.weights[:] = [p.blocks.data_ptr() for p in self.packed]
+        s.formats[:] = [FORMATS[getattr(p, "kind", p.blocks.dtype)] for p in self.packed]
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
-        s.bf16 = int(bf16)
 
     @property
     def current(self) -> bool:
@@ -143,10 +151,10 @@ def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torc
     b, n, _ = hidden.shape
     if b != 1 or hidden.dtype != torch.float32:
         return None
-    for f in fasts:
-        if f.native is None or n >= len(f.native_rows) or not f.native_rows[n]:
-            return None
-    return _run_stack([f.native for f in fasts], hidden, rope, mask, cache, keep)
+    natives = [f.native_rows[n] if n < len(f.native_rows) else None for f in fasts]
+    if any(layer is None for layer in natives):
+        return None
+    return _run_stack(natives, hidden, rope, mask, cache, keep)
 
 
 _STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
@@ -180,11 +188,11 @@ def _is_silu(act) -> bool:
         return False
 
 
-def build(fast: LeanLayer, operand, bf16: bool = False) -> NativeLayer | None:
+def build(fast: LeanLayer, operand, form: str = "exact") -> NativeLayer | None:
     """The native form of a lean layer, checked against it (`agrees`), or None where layer.c cannot take it."""
     if not NativeLayer.supports(fast):
         return None
-    layer = NativeLayer(fast, operand, bf16)
+    layer = NativeLayer(fast, operand, form)
     return layer if agrees(layer) else None
 
 
@@ -238,34 +246,36 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
 
 
 @torch.no_grad()
-def measure(natives: list[NativeLayer], reps: int = 3, counts: tuple[int, ...] = ROWS) -> dict[int, dict[str, float]]:
-    """{rows: {"lean": s, "native": s}} for each row count of ROWS: seconds of a pass through all of the layers (a
-    model's stack, in order) over `rows` new tokens after PROMPT cached ones, each way (the native layers in one
-    call, the lean ones with whatever kernels are patched in at the time), interleaved, best of `reps`."""
-    w = natives[0].fast.qkv.weight
+def measure(ways: dict[str, list[NativeLayer]], reps: int = 3,
+            counts: tuple[int, ...] = ROWS) -> dict[int, dict[str, float]]:
+    """{rows: {"lean": s, way: s, ...}} for each row count of ROWS: seconds of a pass through a stack of layers (a
+    model's, in order) over `rows` new tokens after PROMPT cached ones, as each way's native layers (in one call) and
+    as the lean layers of the first way's (with whatever kernels are patched in at the time), interleaved, best of
+    `reps`."""
+    first = next(iter(ways.values()))
+    w = first[0].fast.qkv.weight
     g = torch.Generator().manual_seed(0)
     found = {}
     for rows in counts:
         width = PROMPT + rows
         hidden = torch.randn(1, rows, w.shape[1], generator=g) * 0.1
-        angle = torch.randn(1, rows, natives[0].fast.head_dim // 2, generator=g).repeat(1, 1, 2)
+        angle = torch.randn(1, rows, first[0].fast.head_dim // 2, generator=g).repeat(1, 1, 2)
         rope = lean_rope(angle.cos(), angle.sin())
         allowed = torch.ones(rows, width, dtype=torch.bool).tril(PROMPT)
         mask = None if rows == 1 else torch.zeros(1, 1, rows, width).masked_fill_(
             ~allowed, torch.finfo(torch.float32).min)
         cache = SlotCache(width)
         cache.write_slots, cache.write_start, cache.width = torch.arange(PROMPT, width)[None], PROMPT, width
-        best = {"lean": float("inf"), "native": float("inf")}
+        best = {way: float("inf") for way in ("lean", *ways)}
         for rep in range(reps + 1):  # the first pass of each is a warm-up, not kept
             for way in best:
                 t = time.perf_counter()
-                x = hidden
-                if way == "native":  # in one call, as the sampler runs them (run_stack)
-                    done = _run_stack(natives, x, rope, mask, cache)
-                    if done is None:  # layer.c refuses the stack: never the faster way
-                        continue
-                for layer in natives if way == "lean" else ():
-                    x = layer.fast.lean_forward(x, rope, mask, cache)
+                if way == "lean":
+                    x = hidden
+                    for layer in first:
+                        x = layer.fast.lean_forward(x, rope, mask, cache)
+                elif _run_stack(ways[way], hidden, rope, mask, cache) is None:  # in one call, as the sampler runs them
+                    continue  # layer.c refuses the stack: never the faster way
                 if rep:
                     best[way] = min(best[way], time.perf_counter() - t)
         found[rows] = best
@@ -276,69 +286,89 @@ RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this 
 _CHECKED: set[str] = set()  # stacks whose stored timings this process has re-checked
 
 
-def attach(module: nn.Module, table: KernelTable, bf16: bool = False,
-           exact: Collection[LeanLayer] = ()) -> list[LeanLayer]:
-    """Give `module`'s lean layers their native form at the row counts where a pass through the stack of them
-    measured faster native (measured once per machine and stack, stored in `table`, and re-checked once per process
-    at one row). bf16: with bfloat16 copies of the weights (a drafter's, as its products may be), except for layers
-    in `exact` (the base's, which a drafter may run too). Returns the layers it attached to (for `detach`); a layer
-    already attached (nested use) is left."""
-    natives = [n for n in stack(module, table, bf16, exact) if n.fast.native is None]
-    if not natives:
+def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Collection[LeanLayer] = (),
+           compact: bool = True) -> list[LeanLayer]:
+    """Give `module`'s lean layers, per row count, the native form that a pass through the stack of them measured
+    fastest, where one beat the lean layers (measured once per machine and stack, stored in `table`, and re-checked
+    once per process at one row). The ways measured: "native" (float32 weights; bfloat16 copies where bf16, a
+    drafter's, except for layers in `exact`: the base's, which a drafter may run too) and, where compact and some
+    weight has an exact compact form (compact.py), "compact" (those forms, the rest as "native"). Returns the layers
+    it attached to (for `detach`); a layer already attached (nested use) is left."""
+    fasts = [f for f in lean_layers(module) if not f.native_rows]
+    if not fasts:
         return []
-    # the stack's shapes and precisions, the row counts and layer.c itself: a change to any is measured anew
-    shapes = " ".join(f"{tuple(w.shape)}{'bf16' if n.bf16 else ''}" for n in natives for w in n.weights)
-    key = hashlib.sha1((shapes + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
+
+    def forms(exact_form: str) -> dict[LeanLayer, NativeLayer]:
+        return stack(fasts, table, lambda f: "bf16" if bf16 and f not in exact else exact_form)
+
+    ways = {"native": forms("exact")}
+    if compact:
+        held = forms("compact")
+        if any(l.form == "compact" and any(hasattr(p, "kind") for p in l.packed) for l in held.values()):
+            ways["compact"] = held
+    ways = {name: by for name, by in ways.items() if by}
+    if not ways:
+        return []
+    # the stack's shapes and forms, the row counts and layer.c itself: a change to any is measured anew
+    text = " ".join(f"{name}:" + ",".join(f"{tuple(p.blocks.shape)}{getattr(p, 'kind', p.blocks.dtype)}"
+                                          for l in by.values() for p in l.packed) for name, by in ways.items())
+    key = hashlib.sha1((text + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
+    stacks = {name: list(by.values()) for name, by in ways.items()}
     t0 = time.perf_counter()
     times = table.layers.get(key)
     if times is not None and key not in _CHECKED:  # once per process: does the stored choice still hold at 1 row?
         _CHECKED.add(key)
-        fresh = measure(natives, reps=1, counts=(1,))[1]
+        fresh = measure(stacks, reps=1, counts=(1,))[1]
         stored = min(times[1], key=times[1].get)
-        if fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
+        if stored not in fresh or fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
             times = None
     if times is None:
-        times = table.layers[key] = measure(natives)
+        times = table.layers[key] = measure(stacks)
         table.save()
     _CHECKED.add(key)
     table.measure_s += time.perf_counter() - t0
 
-    def faster(n: int) -> bool:  # n rows: the next measured count up decides
+    def fastest(n: int) -> str:  # n rows: the next measured count up decides
         t = times[min(r for r in ROWS if r >= n)]
-        return t["native"] < t["lean"]
+        return min(t, key=t.get)
 
-    rows = [False] + [faster(n) for n in range(1, max(ROWS) + 1)]
-    if not any(rows):
-        return []
-    for layer in natives:
-        layer.fast.native, layer.fast.native_rows = layer, rows
-    return [layer.fast for layer in natives]
+    picks = [fastest(n) for n in range(1, max(ROWS) + 1)]
+    attached = []
+    for f in fasts:
+        rows = [None] + [ways[way].get(f) if way in ways else None for way in picks]
+        if any(rows):
+            f.native_rows = rows
+            attached.append(f)
+    return attached
 
 
 def detach(fasts: list[LeanLayer]) -> None:
     for fast in fasts:
-        fast.native, fast.native_rows = None, []
+        fast.native_rows = []
 
 
-def stack(module: nn.Module, table: KernelTable, bf16: bool = False,
-          exact: Collection[LeanLayer] = ()) -> list[NativeLayer]:
-    """The native forms of `module`'s lean layers that have one, in order, over packed copies of their weights (the
-    table's, shared with the products' kernel where that is the packed one; bfloat16 ones where bf16, except for
-    layers in `exact`): built and checked once, and again if a weight changed."""
-    out = []
-    for fast in lean_layers(module):
-        rounded = bf16 and fast not in exact
-        have = fast.native_built.get(rounded, False)
+def stack(fasts: Sequence[LeanLayer], table: KernelTable, form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
+    """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (FORMS) over
+    copies of its weights (the kernel table's, shared with the products' kernels where they are the same): built and
+    checked once per form, and again if a weight changed."""
+    out = {}
+    for fast in fasts:
+        form = form_of(fast)
+        have = fast.native_built.get(form, False)
         if have is False or (have is not None and not have.current):
-            have = fast.native_built[rounded] = build(fast, _operand(table, rounded), rounded)
+            have = fast.native_built[form] = build(fast, _operand(table, form), form)
         if have is not None:
-            out.append(have)
+            out[fast] = have
     return out
 
 
-def _operand(table: KernelTable, bf16: bool):
-    """weight -> its packed copy (bfloat16 where bf16): the table's, where it offers the packed kernel."""
-    name = "native_packed_bf16" if bf16 else "native_packed"
+def _operand(table: KernelTable, form: str):
+    """weight -> the copy layer.c reads as `form`: the table's where it offers that candidate. compact: the weight's
+    exact compact form where it has one (compact.py), else its float32 packed copy."""
+    if form == "compact":
+        exact = _operand(table, "exact")
+        return lambda w: compact.form(w) or exact(w)
+    name = "native_packed_bf16" if form == "bf16" else "native_packed"
     if name in table.candidates or name in table.bf16:
         return lambda w: table.operand(name, w)
-    return (lambda w: native.pack(w.to(torch.bfloat16))) if bf16 else native.pack
+    return (lambda w: native.pack(w.to(torch.bfloat16))) if form == "bf16" else native.pack

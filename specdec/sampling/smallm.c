@@ -181,6 +181,116 @@ static const block_fn PACKED_BF16[BLOCK + 1] = {0, packed_bf16_1, packed_bf16_2,
                                                 packed_bf16_5, packed_bf16_6, packed_bf16_7, packed_bf16_8,
                                                 packed_bf16_9, packed_bf16_10, packed_bf16_11, packed_bf16_12};
 
+/* The compact layouts of compact.py: per packed block of PACK rows and per group of QGROUP columns, the rows' scales d
+(and for q4 offsets m) as float32, then the group's columns of 4-bit (q4: PLANES bytes, row k's q in byte k's low
+nibble and row k + PLANES's in its high one) or 8-bit (q8: PACK signed bytes) codes. Each weight is decoded in
+registers to the float32 number the model holds: q4 fma(d, q, m), which is the one rounding of d·q + m (d·q is exact),
+q8 d·q (exact); then the same broadcast-and-accumulate as the packed kernel. A quarter (q8) to a sixth (q4) of the
+float32 bytes to stream, paid for with a few vector ops per column, shared by all the block's x rows. */
+#define QGROUP 32
+typedef uint8_t pvec_u8 __attribute__((vector_size(PLANES)));
+typedef int8_t pvec_s8 __attribute__((vector_size(PLANES)));
+typedef int32_t pvec_i32 __attribute__((vector_size(PLANES * sizeof(int32_t))));
+
+/* PLANES bytes widened to PLANES int32 lanes (zero- or sign-extended): one instruction where the CPU has it (GCC
+   scalarises the generic __builtin_convertvector of bytes), the generic form elsewhere */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+static inline pvec_i32 widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    pvec_u8 v0;
+    __builtin_memcpy(&v0, p, sizeof v0);
+    const pvec_i32 v = __builtin_convertvector(v0, pvec_i32);
+#endif
+    pvec_i32 r;
+    __builtin_memcpy(&r, &v, sizeof r);
+    return r;
+}
+static inline pvec_i32 widen_s8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    pvec_s8 v0;
+    __builtin_memcpy(&v0, p, sizeof v0);
+    const pvec_i32 v = __builtin_convertvector(v0, pvec_i32);
+#endif
+    pvec_i32 r;
+    __builtin_memcpy(&r, &v, sizeof r);
+    return r;
+}
+
+#if defined(__AVX512F__)
+#define QBLOCK 8 /* 2·8 accumulators + 4 scale vectors + the decoded weights within 32 registers */
+#else
+#define QBLOCK 4
+#endif
+
+static inline void store_rows(float *y, const pvec *lo, const pvec *hi, int mb, int O, int o) {
+    const int n = O - o < PACK ? O - o : PACK;
+    for (int m = 0; m < mb; m++) {
+        float *ym = y + (size_t)m * O + o;
+        if (n == PACK) {
+            __builtin_memcpy(ym, &lo[m], sizeof lo[m]);
+            __builtin_memcpy(ym + PLANES, &hi[m], sizeof hi[m]);
+        } else {
+            for (int k = 0; k < n; k++) ym[k] = k < PLANES ? lo[m][k] : hi[m][k - PLANES];
+        }
+    }
+}
+
+#define Q4_GROUP_BYTES (2 * PACK * sizeof(float) + QGROUP * PLANES)
+#define Q8_GROUP_BYTES (PACK * sizeof(float) + QGROUP * PACK)
+
+#define Q_BLOCK(NAME, MB, Q4) \
+    static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
+        const int groups = I / QGROUP; \
+        const size_t group_bytes = (Q4) ? Q4_GROUP_BYTES : Q8_GROUP_BYTES; \
+        for (int b = b0; b < b1; b++) { \
+            const uint8_t *blk = (const uint8_t *)wp + (size_t)b * groups * group_bytes; \
+            pvec lo[MB], hi[MB]; \
+            for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
+            for (int g = 0; g < groups; g++) { \
+                const uint8_t *grp = blk + (size_t)g * group_bytes; \
+                const pvec d0 = pload((const float *)grp), d1 = pload((const float *)grp + PLANES); \
+                const pvec m0 = (Q4) ? pload((const float *)grp + PACK) : (pvec){0}; \
+                const pvec m1 = (Q4) ? pload((const float *)grp + PACK + PLANES) : (pvec){0}; \
+                const uint8_t *codes = grp + ((Q4) ? 2 : 1) * PACK * sizeof(float); \
+                const float *xg = x + (size_t)g * QGROUP; \
+                for (int c = 0; c < QGROUP; c++) { \
+                    pvec w0, w1; \
+                    if (Q4) { \
+                        const pvec_i32 v = widen_u8(codes + (size_t)c * PLANES); \
+                        w0 = d0 * __builtin_convertvector(v & 15, pvec) + m0; \
+                        w1 = d1 * __builtin_convertvector(v >> 4, pvec) + m1; \
+                    } else { \
+                        w0 = d0 * __builtin_convertvector(widen_s8(codes + (size_t)c * PACK), pvec); \
+                        w1 = d1 * __builtin_convertvector(widen_s8(codes + (size_t)c * PACK + PLANES), pvec); \
+                    } \
+                    for (int m = 0; m < (MB); m++) { \
+                        const float xv = xg[(size_t)m * I + c]; \
+                        lo[m] += w0 * xv; \
+                        hi[m] += w1 * xv; \
+                    } \
+                } \
+            } \
+            store_rows(y, lo, hi, MB, O, b * PACK); \
+        } \
+    }
+#define Q_HEIGHTS(P, Q4) \
+    Q_BLOCK(P##1, 1, Q4) Q_BLOCK(P##2, 2, Q4) Q_BLOCK(P##3, 3, Q4) Q_BLOCK(P##4, 4, Q4) \
+    Q_BLOCK(P##5, 5, Q4) Q_BLOCK(P##6, 6, Q4) Q_BLOCK(P##7, 7, Q4) Q_BLOCK(P##8, 8, Q4)
+Q_HEIGHTS(q4_, 1)
+Q_HEIGHTS(q8_, 0)
+static const block_fn Q4[9] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8};
+static const block_fn Q8[9] = {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8};
+
 /* x [M, I], w (the layout and element type `blocks` read), y [M, O]; `blocks` take `height` x rows per pass and a range
    [r0, r1) of `units` (W's rows, or packed blocks), which the threads split into contiguous ranges, each a multiple of
    `align`. threads: how many OpenMP threads (PyTorch's own runtime: the process has loaded PyTorch's libgomp before
@@ -224,4 +334,13 @@ void smallm_gemm(const float *x, const float *w, float *y, int M, int I, int O, 
 /* w: bfloat16 bit patterns */
 void smallm_gemm_bf16(const float *x, const uint16_t *w, float *y, int M, int I, int O, int threads) {
     gemm(BLOCKS_BF16, BLOCK, O, 4, x, w, y, M, I, O, threads);
+}
+
+/* wp: compact.py's q4 / q8 layout; I a multiple of QGROUP (compact.py only makes these forms then) */
+void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads) {
+    gemm(Q4, QBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
+}
+
+void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads) {
+    gemm(Q8, QBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
 }

@@ -1,0 +1,168 @@
+"""Exact compact forms of float32 weights (specdec/sampling/compact.py): found only where they reproduce every weight
+bit for bit, decoded by the kernels to those very numbers, used by the kernel table and the native layers where
+measurement picks them, greedy-identical decoding, and the float32 kernels wherever a form or its kernel is missing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specdec.base import load_base, tiny_base
+from specdec.sampling import compact, native, native_layer
+from specdec.sampling.decode import SamplerConfig, generate
+from specdec.sampling.kernels import COMPACT_KEY, Candidate, KernelTable, _shape_key, measured_kernels
+from specdec.sampling.lean import decode_linears, lean_layers
+
+needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+                                    reason="no C compiler on this machine")
+
+
+def gguf_like(o: int, i: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A float32 weight [o, i] as dequantising a GGUF block format gives it: per 32 weights of a row, Q4_1 fp32(d·q + m)
+    or Q8_0 d·q, with float16 d (and m)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(o, i // 32, 32, generator=g, dtype=torch.float64) * 0.05
+    if kind == "q4":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        d, m = ((hi - lo) / 15).half().double(), lo.half().double()
+        q = ((w - m) / d).round().clamp(0, 15)
+        out = d * q + m  # exact in float64; the float32 cast is the one rounding dequantisation makes
+    else:
+        d = (w.abs().amax(-1, keepdim=True) / 127).half().double()
+        out = d * (w / d).round().clamp(-127, 127)
+    return out.float().view(o, i)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_a_form_is_found_only_where_it_reproduces_every_weight(kind):
+    w = gguf_like(64, 96, kind) if kind != "bf16" else torch.randn(64, 96).to(torch.bfloat16).float()
+    c = compact.form(w)
+    assert c is not None and c.kind == kind and (c.out_features, c.in_features) == (64, 96)
+    assert c.nbytes <= w.numel() * {"bf16": 2, "q8": 1.125, "q4": 0.75}[kind]  # of float32's 4 bytes per weight
+    assert compact.form(w) is c  # found once per weight
+    w[3, 5] = w[3, 5] + 1e-3  # one weight off its grid (changed in place): found again, and now the form is gone
+    assert compact.form(w) is None or compact.form(w).kind != kind
+    assert compact.form(torch.randn(64, 96)) is None  # a trained float32 weight has none
+    with pytest.raises(ValueError):
+        compact.pack(torch.randn(64, 96))  # the kernel table's operand raises: the candidate is left out
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_the_kernels_multiply_with_the_weights_own_numbers(kind, rows):
+    """One-hot rows pick single weights out: their products are the float32 weights themselves, bit for bit (so the
+    kernel decodes every weight to the number the model holds), for an output count that is not a whole number of
+    packed blocks and more rows than one pass takes; any rows: the float32 product to rounding."""
+    o, i = 70, 96
+    w = gguf_like(o, i, kind, seed=1) if kind != "bf16" else torch.randn(o, i).to(torch.bfloat16).float()
+    c = compact.form(w)
+    picks = torch.randint(0, i, (rows,), generator=torch.Generator().manual_seed(rows))
+    onehot = torch.zeros(rows, i)
+    onehot[torch.arange(rows), picks] = 1.0
+    assert torch.equal(compact.gemm(onehot, c), w[:, picks].T)
+    x = torch.randn(rows, i)
+    torch.testing.assert_close(compact.gemm(x, c), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_the_kernel_table_offers_the_compact_kernel_only_to_weights_with_a_form():
+    q4, plain = gguf_like(64, 64, "q4"), torch.randn(64, 64)
+    assert COMPACT_KEY + "q4" in _shape_key(q4, compact_ok=True) and COMPACT_KEY not in _shape_key(q4)
+    assert COMPACT_KEY not in _shape_key(plain, compact_ok=True)
+    table = KernelTable(None, rows=(1, 2))
+    table.prepare([q4, plain], compact=True)
+    assert "native_compact" in table.timings[_shape_key(q4, compact_ok=True)][1]  # measured beside the others
+    assert "native_compact" not in table.timings[_shape_key(plain, compact_ok=True)][1]
+
+
+@needs_compiler
+def test_a_missing_compact_kernel_falls_back_to_the_others():
+    def missing(x, operand):
+        raise RuntimeError("this build has no smallm_packed_q4")
+
+    q4 = gguf_like(64, 64, "q4")
+    table = KernelTable(None, rows=(1, 2), compact={"native_compact": Candidate(missing, compact.pack)})
+    table.prepare([q4], compact=True)
+    timings = table.timings[_shape_key(q4, compact_ok=True)]
+    assert "native_compact" not in timings[1] and table.choice[_shape_key(q4, compact_ok=True)][1] in table.candidates
+    x = torch.randn(2, 64)
+    kernel = table.plan(q4, compact=True)[2]
+    torch.testing.assert_close(x @ q4.T if kernel is None else kernel[0](x, kernel[1]), x @ q4.T)
+
+
+def quantised(kind: str = "q4"):
+    """A tiny Llama base (head_dim 16, as layer.c takes) whose decode weights hold GGUF-like numbers, like SmolLM2's."""
+    base = tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
+    with torch.no_grad():
+        for k, lin in enumerate(decode_linears(base.model.model)):
+            lin.weight.copy_(gguf_like(*lin.weight.shape, kind, seed=k))
+    return base
+
+
+@pytest.fixture
+def compact_forced(monkeypatch):
+    """Measurement always picks the compact forms: the native layers' (over the lean and the float32 ones) and the
+    kernel table's (over every other candidate, for the products outside the layers: the lm_head). Yields the forms
+    of the native layers that ran as a stack (what the sampler calls for a batch of one), one entry per layer."""
+    ran = []
+    run_stack = native_layer._run_stack
+
+    def counted_stack(layers, *args, **kwargs):
+        ran.extend(layer.form for layer in layers)
+        return run_stack(layers, *args, **kwargs)
+
+    def fake_time(self, weights, rows, passes, offered):
+        return {name: 0.5 if name == "native_compact" else 1.0 for name in offered}
+
+    monkeypatch.setattr(native_layer, "_run_stack", counted_stack)
+    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
+        r: {"lean": 3.0, **{way: 1.0 if way == "compact" else 2.0 for way in ways}} for r in counts})
+    monkeypatch.setattr(KernelTable, "_time", fake_time)
+    return ran
+
+
+@needs_compiler
+@pytest.mark.parametrize("kw", [dict(), dict(gamma=3), dict(tree="dynamic", dynamic_depth=2, dynamic_topk=2,
+                                                          dynamic_budget=4)])
+def test_decoding_from_compact_forms_is_greedy_identical(compact_forced, kw):
+    """Plain decoding, a chain and a tree over a base whose weights have q4 forms (its lm_head a q8 one), its layers
+    and lm_head multiplied from them: the tokens of PyTorch's own float32 forward, and of compact_weights=false."""
+    from specdec.drafters.early_exit import EarlyExit
+
+    base = quantised()
+    with torch.no_grad():
+        base.lm_head.weight.copy_(gguf_like(*base.lm_head.weight.shape, "q8", seed=99))
+    drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval() if kw else None
+    prompts = [list(range(30, 49))]
+    cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], **kw)
+    stock = generate(base, prompts, drafter, SamplerConfig(**{**cfg.__dict__, "cpu_kernels": "stock"}))
+    with measured_kernels(base, *([drafter] if drafter else []), table=KernelTable(None, rows=(1, 2, 4, 8, 16))):
+        assert all(f.native_rows[1].form == "compact" for f in lean_layers(base))
+        assert compact.form(base.lm_head.weight).kind == "q8"
+        got = generate(base, prompts, drafter, cfg)
+    assert "compact" in compact_forced  # ran from the compact forms
+    assert got.tokens.tolist() == stock.tokens.tolist() and got.accepted == stock.accepted
+    compact_forced.clear()
+    plain = generate(base, prompts, drafter, SamplerConfig(**{**cfg.__dict__, "compact_weights": False}),)
+    assert "compact" not in compact_forced and plain.tokens.tolist() == stock.tokens.tolist()
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_smollm2_holds_its_gguf_blocks_and_decodes_greedy_identical_to_hf(compact_forced):
+    """The embedded SmolLM2: every decode weight has the q4 form of its GGUF's Q4_1 blocks and the tied lm_head the
+    q8 form of its Q8_0 ones; decoding from them gives HF generate's tokens."""
+    base = load_base(device="cpu")
+    assert {compact.form(lin.weight).kind for lin in decode_linears(base.model.model)} == {"q4"}
+    assert compact.form(base.lm_head.weight).kind == "q8"
+    ids = base.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                         return_tensors="pt").input_ids
+    hf = base.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    with measured_kernels(base, table=KernelTable(None, rows=(1, 2, 4, 8, 16))):
+        ours = generate(base, ids.tolist(), None, SamplerConfig(max_new_tokens=24, eos_token_id=[]))
+    assert compact_forced and set(compact_forced) == {"compact"}
+    assert ours.tokens[0].tolist() == hf.tolist()
