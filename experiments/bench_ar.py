@@ -340,8 +340,8 @@ def render(r: dict) -> str:
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
              f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
-             f"n rows each, called one by one from Python. GEMM roofline: max(the weights as held streamed once at the read "
-             f"bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
+             f"n rows each, called one by one from Python. GEMM roofline: max(the weights as held streamed once at the "
+             f"read bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
              f"rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
              f"those calls from Python).", "",
              *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "

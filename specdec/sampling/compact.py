@@ -54,7 +54,8 @@ _FORMS: dict[int, tuple[weakref.ref, int, Compact | None]] = {}
 @torch.no_grad()
 def form(w: torch.Tensor) -> Compact | None:
     """w's exact compact form (the narrowest of q4, q8, bf16 that reproduces it), or None; found once per weight (and
-    again if it changed in place). Needs a float32 2-D CPU weight whose rows are whole groups, and the native library."""
+    again if it changed in place). Needs a float32 2-D CPU weight (q4, q8: rows of whole groups) and the native
+    library."""
     ref, version, found = _FORMS.get(id(w), (None, None, None))
     if ref is not None and ref() is w and version == w._version:
         return found

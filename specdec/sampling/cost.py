@@ -23,9 +23,9 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                   greedy_shortlist: bool = False, compact_weights: bool = True) -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
     included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`
-    and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`: the kernel table,
-    the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy machine
-    hits every n alike."""
+    and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`: the kernel
+    table, the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy
+    machine hits every n alike."""
     times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table, native_layers, cuda_graphs,
                           greedy_shortlist, compact_weights)
     return {n: statistics.median(t) for n, t in times.items()}

@@ -347,7 +347,8 @@ def detach(fasts: list[LeanLayer]) -> None:
         fast.native_rows = []
 
 
-def stack(fasts: Sequence[LeanLayer], table: KernelTable, form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
+def stack(fasts: Sequence[LeanLayer], table: KernelTable,
+          form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
     """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (FORMS) over
     copies of its weights (the kernel table's, shared with the products' kernels where they are the same): built and
     checked once per form, and again if a weight changed."""

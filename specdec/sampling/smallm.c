@@ -188,6 +188,11 @@ registers to the float32 number the model holds: q4 fma(d, q, m), which is the o
 q8 d·q (exact); then the same broadcast-and-accumulate as the packed kernel. A quarter (q8) to a sixth (q4) of the
 float32 bytes to stream, paid for with a few vector ops per column, shared by all the block's x rows. */
 #define QGROUP 32
+/* Each group's codes are asked for this many bytes ahead (into every cache level: prefetcht0). The hardware prefetcher
+   alone left the decode waiting on memory: a pass over SmolLM2's 120 layer products at 1 / 5 / 12 rows took 5.2 / 7.7 /
+   12.0 ms without, 3.5 / 5.7 / 10.3 ms with it, 2-core Xeon (family 6 model 167); 2 KB ahead or a prefetch that skips
+   the near caches gained less. A prefetch past the weight's end is harmless (it never faults). */
+#define QPREFETCH 4096
 typedef uint8_t pvec_u8 __attribute__((vector_size(PLANES)));
 typedef int8_t pvec_s8 __attribute__((vector_size(PLANES)));
 typedef int32_t pvec_i32 __attribute__((vector_size(PLANES * sizeof(int32_t))));
@@ -260,6 +265,8 @@ static inline void store_rows(float *y, const pvec *lo, const pvec *hi, int mb, 
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
             for (int g = 0; g < groups; g++) { \
                 const uint8_t *grp = blk + (size_t)g * group_bytes; \
+                for (size_t line = 0; line < group_bytes; line += 64) \
+                    __builtin_prefetch(grp + QPREFETCH + line, 0, 3); \
                 const pvec d0 = pload((const float *)grp), d1 = pload((const float *)grp + PLANES); \
                 const pvec m0 = (Q4) ? pload((const float *)grp + PACK) : (pvec){0}; \
                 const pvec m1 = (Q4) ? pload((const float *)grp + PACK + PLANES) : (pvec){0}; \
