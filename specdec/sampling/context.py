@@ -52,6 +52,7 @@ class SamplingContext:
         # device copies of the small layout tensors (a decode repeats a few layouts): a blocking copy from host memory
         # would make the host wait for the GPU's queue on every forward
         self._copies: dict[tuple, torch.Tensor] = {}
+        self._leans: dict[tuple[int, ...], tuple[list[nn.Module], list[LeanLayer | None]]] = {}  # see `_lean`
 
     # -- layouts -------------------------------------------------------------------------------
     def commit_layout(self, n: int) -> None:
@@ -178,10 +179,16 @@ class SamplingContext:
 
     def _lean(self, layers: Sequence[nn.Module]) -> list[LeanLayer | None]:
         """The lean forward of each layer, None where it runs its own HF forward (lean off, a layer of another
-        shape, or autograd on: the lean path is for decoding)."""
+        shape, or autograd on: the lean path is for decoding). Looked up once per context and stack of layers: a
+        decode does not replace weights, and checking that every layer's lean form is still current took ~0.3 ms of
+        a 7.6 ms AR step."""
         if not self.lean or torch.is_grad_enabled():
             return [None] * len(layers)
-        return [lean(layer) for layer in layers]
+        key = tuple(map(id, layers))
+        have = self._leans.get(key)
+        if have is None:
+            have = self._leans[key] = (list(layers), [lean(layer) for layer in layers])  # (the layers kept: ids)
+        return have[1]
 
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
         """DraftContext.run_model: a whole HF decoder stack over input_ids [B, m], the last m queries of the current

@@ -57,6 +57,7 @@ RECHECK_FACTOR = 1.5
 # one pass in call order with the per-shape choices is timed against one with each single kernel for every shape; a
 # single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
 WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
+STREAM_BYTES = 64 << 20  # a shape's products are timed over at least this many bytes of weights (see _time)
 WHOLE_MARGIN = 1.05
 
 
@@ -178,7 +179,7 @@ class KernelTable:
                  compact: dict[str, Candidate] | None = None):
         self.path = Path(path).expanduser() if path is not None else None
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
-        self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys ending in BF16_KEY
+        self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys with BF16_KEY
         self.compact = dict(COMPACT if compact is None else compact)  # offered to shape keys with COMPACT_KEY
         self.rows = rows
         self.key = machine_key()
@@ -210,9 +211,8 @@ class KernelTable:
     def _offered(self, shape: str) -> dict[str, Candidate]:
         """The candidates a shape key may use: the exact ones, the BF16 ones for a drafter's weights and the COMPACT
         ones for weights with an exact compact form."""
-        if shape.endswith(BF16_KEY):
-            return {**self.candidates, **self.bf16}
-        return {**self.candidates, **self.compact} if COMPACT_KEY in shape else self.candidates
+        return {**self.candidates, **(self.bf16 if BF16_KEY in shape else {}),
+                **(self.compact if COMPACT_KEY in shape else {})}
 
     def prepare(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False) -> None:
         """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
@@ -271,8 +271,15 @@ class KernelTable:
         """Seconds per product of every usable candidate of `offered` at `rows` rows: the best of `passes`
         interleaved passes.
         Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products then
-        stream from memory as in a real step instead of hitting a cache-warm copy."""
+        stream from memory as in a real step instead of hitting a cache-warm copy. A shape with fewer weights than
+        STREAM_BYTES (a drafter's, which has one of each) is timed over copies of them up to that size: one weight
+        alone stays in the caches between passes, while in a decode the base's step has evicted it (timed warm, MKL's
+        float32 products won the Hydra heads' shapes at one row and took 0.6 ms each in decoding)."""
         ws = weights[:32]
+        size = sum(w.numel() * w.element_size() for w in ws)
+        if size < STREAM_BYTES:
+            copies = min(32 // len(ws), -(-STREAM_BYTES // size))
+            ws = ws + [w.clone() for _ in range(copies - 1) for w in ws]
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
         reference = F.linear(x, ws[0])
         usable = {}
@@ -399,15 +406,15 @@ class KernelTable:
 
 
 def _signature(candidates: dict[str, Candidate]) -> str:
-    """The candidates' names and the native kernel's source, hashed."""
-    text = " ".join(sorted(candidates)) + (native.SOURCE.read_text() if native.SOURCE.exists() else "")
+    """The candidates' names, how they are timed and the native kernel's source, hashed."""
+    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes " + (
+        native.SOURCE.read_text() if native.SOURCE.exists() else "")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _shape_key(w: torch.Tensor, bf16: bool = False, compact_ok: bool = False) -> str:
-    key = f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}"
-    if bf16:
-        return key + BF16_KEY
+    # a drafter's weight may hold an exact form too (a frozen copy of base rows: a draft vocab's lm_head)
+    key = f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}" + (BF16_KEY if bf16 else "")
     form = compact.form(w) if compact_ok and w.device.type == "cpu" else None
     return key + (COMPACT_KEY + form.kind if form is not None else "")
 
