@@ -57,7 +57,7 @@ for s in ${STEPS:-tests bench demo}; do
         logger=csv
       cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
+        sampler=demo_tree 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler=dynamic_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
     drafter)  # a drafter trained elsewhere (the CPU recipes of logs/recipe/), on the GPU's cost model
