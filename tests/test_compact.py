@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.base import load_base, tiny_base
-from specdec.sampling import compact, native, native_layer
+from specdec.sampling import compact, kernels, native, native_layer
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import COMPACT_KEY, Candidate, KernelTable, _shape_key, measured_kernels
 from specdec.sampling.lean import decode_linears, lean_layers
@@ -122,6 +122,9 @@ def compact_forced(monkeypatch):
     monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
         r: {"lean": 3.0, **{way: 1.0 if way == "compact" else 2.0 for way in ways}} for r in counts})
     monkeypatch.setattr(KernelTable, "_time", fake_time)
+    # generate()'s own measured_kernels takes the process-wide table: one stored nowhere, so the fake timings above
+    # never reach the machine's cached table
+    monkeypatch.setattr(kernels, "_TABLE", KernelTable(None, rows=(1, 2, 4, 8, 16)))
     return ran
 
 

@@ -13,7 +13,7 @@ import torch
 
 from specdec.base import LAST, load_base, tiny_base
 from specdec.drafters.early_exit import EarlyExit
-from specdec.sampling import native, native_layer
+from specdec.sampling import kernels, native, native_layer
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import BF16, CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import lean, lean_layers
@@ -61,6 +61,9 @@ def forced(monkeypatch):
     monkeypatch.setattr(native_layer, "measure",
                         lambda natives, reps=3, counts=native_layer.ROWS: {r: {"lean": 2.0, "native": 1.0}
                                                                              for r in counts})
+    # generate()'s own measured_kernels takes the process-wide table: one stored nowhere, so these fake timings never
+    # reach the machine's cached table
+    monkeypatch.setattr(kernels, "_TABLE", table())
     return calls
 
 
