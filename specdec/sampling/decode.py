@@ -61,7 +61,7 @@ class SamplerConfig:
     greedy_shortlist: bool = True
     # CPU, measured kernels: a base weight whose float32 numbers have an exact compact form (compact.py: the GGUF's Q4_1
     # / Q8_0 blocks the embedded SmolLM2 was dequantised from, or bfloat16 values) is multiplied from that form where
-    # it measures faster: the same numbers from a sixth to a half of the bytes, so decoding stays lossless. False: the
+    # it measures faster: the same numbers from a fifth to a half of the bytes, so decoding stays lossless. False: the
     # float32 copies
     compact_weights: bool = True
     # CPU, measured kernels: bf16 = the drafter's linears may multiply with bfloat16 copies of their weights where that

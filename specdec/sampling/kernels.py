@@ -22,7 +22,7 @@ base accepts, so verification stays lossless. They are measured beside the exact
 under a shape key of their own; the base's products never see them.
 
 A weight that holds its float32 numbers in an exact compact form (compact.py: a GGUF's Q4_1 / Q8_0 blocks, or bfloat16
-values) is also offered the COMPACT candidate, which multiplies with exactly those numbers from a sixth to a half of
+values) is also offered the COMPACT candidate, which multiplies with exactly those numbers from a fifth to a half of
 the bytes, under a shape key of its own too (the form's kind appended)."""
 
 from __future__ import annotations
@@ -273,8 +273,8 @@ class KernelTable:
         Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products then
         stream from memory as in a real step instead of hitting a cache-warm copy. A shape with fewer weights than
         STREAM_BYTES (a drafter's, which has one of each) is timed over copies of them up to that size: one weight
-        alone stays in the caches between passes, while in a decode the base's step has evicted it (timed warm, MKL's
-        float32 products won the Hydra heads' shapes at one row and took 0.6 ms each in decoding)."""
+        alone stays in the near caches between passes, while in a decode the base's whole step has gone through them
+        since."""
         ws = weights[:32]
         size = sum(w.numel() * w.element_size() for w in ws)
         if size < STREAM_BYTES:

@@ -185,7 +185,7 @@ static const block_fn PACKED_BF16[BLOCK + 1] = {0, packed_bf16_1, packed_bf16_2,
 (and for q4 offsets m) as float32, then the group's columns of 4-bit (q4: PLANES bytes, row k's q in byte k's low
 nibble and row k + PLANES's in its high one) or 8-bit (q8: PACK signed bytes) codes. Each weight is decoded in
 registers to the float32 number the model holds: q4 fma(d, q, m), which is the one rounding of d·q + m (d·q is exact),
-q8 d·q (exact); then the same broadcast-and-accumulate as the packed kernel. A quarter (q8) to a sixth (q4) of the
+q8 d·q (exact); then the same broadcast-and-accumulate as the packed kernel. About a quarter (q8) to a fifth (q4) of the
 float32 bytes to stream, paid for with a few vector ops per column, shared by all the block's x rows. */
 #define QGROUP 32
 /* Each group's codes are asked for this many bytes ahead (into every cache level: prefetcht0). The hardware prefetcher
