@@ -5,6 +5,7 @@ picks it, and the lean layer wherever it is missing."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import shutil
 
@@ -61,9 +62,11 @@ def forced(monkeypatch):
     monkeypatch.setattr(native_layer, "measure",
                         lambda natives, reps=3, counts=native_layer.ROWS: {r: {"lean": 2.0, "native": 1.0}
                                                                              for r in counts})
-    # generate()'s own measured_kernels takes the process-wide table: one stored nowhere, so these fake timings never
-    # reach the machine's cached table
-    monkeypatch.setattr(kernels, "_TABLE", table())
+    # generate()'s own measured_kernels takes the process-wide table: here a copy stored nowhere, with its own layer
+    # timings, so these fake ones never reach the machine's cached table (its kernel choices are shared: real ones)
+    shared = copy.copy(kernels.default_table())
+    shared.path, shared.layers = None, dict(shared.layers)
+    monkeypatch.setattr(kernels, "_TABLE", shared)
     return calls
 
 

@@ -57,7 +57,9 @@ RECHECK_FACTOR = 1.5
 # one pass in call order with the per-shape choices is timed against one with each single kernel for every shape; a
 # single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
 WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
-STREAM_BYTES = 64 << 20  # a shape's products are timed over at least this many bytes of weights (see _time)
+# a shape's products are timed over at least STREAM_BYTES of weights, copies of them where they hold fewer, if one is
+# at least COPY_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
+STREAM_BYTES, COPY_BYTES = 32 << 20, 1 << 20
 WHOLE_MARGIN = 1.05
 
 
@@ -277,7 +279,7 @@ class KernelTable:
         since."""
         ws = weights[:32]
         size = sum(w.numel() * w.element_size() for w in ws)
-        if size < STREAM_BYTES:
+        if size < STREAM_BYTES and size >= len(ws) * COPY_BYTES:
             copies = min(32 // len(ws), -(-STREAM_BYTES // size))
             ws = ws + [w.clone() for _ in range(copies - 1) for w in ws]
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)

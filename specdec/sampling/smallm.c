@@ -197,34 +197,25 @@ typedef uint8_t pvec_u8 __attribute__((vector_size(PLANES)));
 typedef int8_t pvec_s8 __attribute__((vector_size(PLANES)));
 typedef int32_t pvec_i32 __attribute__((vector_size(PLANES * sizeof(int32_t))));
 
-/* PLANES bytes widened to PLANES int32 lanes (zero- or sign-extended): one instruction where the CPU has it (GCC
-   scalarises the generic __builtin_convertvector of bytes), the generic form elsewhere */
+/* PLANES bytes at p widened to PLANES int32 lanes, sign-extended where is_signed (a constant at every call, so the
+   choice folds away): one instruction where the CPU has it (GCC scalarises the generic __builtin_convertvector of
+   bytes), the generic form elsewhere */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-static inline pvec_i32 widen_u8(const uint8_t *p) {
+static inline pvec_i32 widen(const uint8_t *p, const int is_signed) {
 #if defined(__AVX512F__)
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m512i v = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
 #elif defined(__AVX2__)
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m256i v = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
 #else
-    pvec_u8 v0;
-    __builtin_memcpy(&v0, p, sizeof v0);
-    const pvec_i32 v = __builtin_convertvector(v0, pvec_i32);
-#endif
-    pvec_i32 r;
-    __builtin_memcpy(&r, &v, sizeof r);
-    return r;
-}
-static inline pvec_i32 widen_s8(const uint8_t *p) {
-#if defined(__AVX512F__)
-    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    pvec_s8 v0;
-    __builtin_memcpy(&v0, p, sizeof v0);
-    const pvec_i32 v = __builtin_convertvector(v0, pvec_i32);
+    pvec_u8 u;
+    pvec_s8 s;
+    __builtin_memcpy(&u, p, sizeof u);
+    __builtin_memcpy(&s, p, sizeof s);
+    const pvec_i32 v = is_signed ? __builtin_convertvector(s, pvec_i32) : __builtin_convertvector(u, pvec_i32);
 #endif
     pvec_i32 r;
     __builtin_memcpy(&r, &v, sizeof r);
@@ -275,12 +266,12 @@ static inline void store_rows(float *y, const pvec *lo, const pvec *hi, int mb, 
                 for (int c = 0; c < QGROUP; c++) { \
                     pvec w0, w1; \
                     if (Q4) { \
-                        const pvec_i32 v = widen_u8(codes + (size_t)c * PLANES); \
+                        const pvec_i32 v = widen(codes + (size_t)c * PLANES, 0); \
                         w0 = d0 * __builtin_convertvector(v & 15, pvec) + m0; \
                         w1 = d1 * __builtin_convertvector(v >> 4, pvec) + m1; \
                     } else { \
-                        w0 = d0 * __builtin_convertvector(widen_s8(codes + (size_t)c * PACK), pvec); \
-                        w1 = d1 * __builtin_convertvector(widen_s8(codes + (size_t)c * PACK + PLANES), pvec); \
+                        w0 = d0 * __builtin_convertvector(widen(codes + (size_t)c * PACK, 1), pvec); \
+                        w1 = d1 * __builtin_convertvector(widen(codes + (size_t)c * PACK + PLANES, 1), pvec); \
                     } \
                     for (int m = 0; m < (MB); m++) { \
                         const float xv = xg[(size_t)m * I + c]; \
