@@ -4,12 +4,14 @@ measurement picks them, greedy-identical decoding, and the float32 kernels where
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 
 from specdec.base import load_base, tiny_base
+from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling import compact, kernels, native, native_layer
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import COMPACT_KEY, Candidate, KernelTable, _shape_key, measured_kernels
@@ -134,15 +136,13 @@ def compact_forced(monkeypatch):
 def test_decoding_from_compact_forms_is_greedy_identical(compact_forced, kw):
     """Plain decoding, a chain and a tree over a base whose weights have q4 forms (its lm_head a q8 one), its layers
     and lm_head multiplied from them: the tokens of PyTorch's own float32 forward, and of compact_weights=false."""
-    from specdec.drafters.early_exit import EarlyExit
-
     base = quantised()
     with torch.no_grad():
         base.lm_head.weight.copy_(gguf_like(*base.lm_head.weight.shape, "q8", seed=99))
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval() if kw else None
     prompts = [list(range(30, 49))]
     cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], **kw)
-    stock = generate(base, prompts, drafter, SamplerConfig(**{**cfg.__dict__, "cpu_kernels": "stock"}))
+    stock = generate(base, prompts, drafter, dataclasses.replace(cfg, cpu_kernels="stock"))
     with measured_kernels(base, *([drafter] if drafter else []), table=KernelTable(None, rows=(1, 2, 4, 8, 16))):
         assert all(f.native_rows[1].form == "compact" for f in lean_layers(base))
         assert compact.form(base.lm_head.weight).kind == "q8"
@@ -150,7 +150,7 @@ def test_decoding_from_compact_forms_is_greedy_identical(compact_forced, kw):
     assert "compact" in compact_forced  # ran from the compact forms
     assert got.tokens.tolist() == stock.tokens.tolist() and got.accepted == stock.accepted
     compact_forced.clear()
-    plain = generate(base, prompts, drafter, SamplerConfig(**{**cfg.__dict__, "compact_weights": False}),)
+    plain = generate(base, prompts, drafter, dataclasses.replace(cfg, compact_weights=False))
     assert "compact" not in compact_forced and plain.tokens.tolist() == stock.tokens.tolist()
 
 
