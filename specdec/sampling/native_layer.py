@@ -22,6 +22,7 @@ from torch import nn
 
 from specdec.sampling import compact, native
 from specdec.sampling.cache import SlotCache
+from specdec.sampling.compact import Compact
 from specdec.sampling.lean import LeanLayer, lean_layers, lean_rope
 
 if TYPE_CHECKING:
@@ -42,11 +43,13 @@ class _Layer(ctypes.Structure):
                [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("formats", ctypes.c_int * 4)]
 
 
-# layer.c's code for the form a product's weight is held in: native.Packed by its dtype, compact.Compact by its kind
-FORMATS = {torch.float32: 0, torch.bfloat16: 1, "bf16": 1, "q4": 2, "q8": 3}
-# how a NativeLayer holds its weights: exact = float32, bf16 = rounded to bfloat16 (a drafter's, draft_precision=bf16),
-# compact = each weight's exact compact form where it has one (compact.py), else float32
-FORMS = ("exact", "bf16", "compact")
+# layer.c's code for how a product's copy holds its weight (`_held_as`)
+FORMATS = {"float32": 0, "bfloat16": 1, "bf16": 1, "q4": 2, "q8": 3}
+
+
+def _held_as(copy) -> str:
+    """A compact.Compact's kind, or a native.Packed's dtype (float32, bfloat16)."""
+    return copy.kind if isinstance(copy, Compact) else str(copy.blocks.dtype).removeprefix("torch.")
 
 
 _SCRATCH = torch.empty(0)  # layer.c's working memory, shared by every native layer (they run one after another)
@@ -61,7 +64,8 @@ def _scratch(floats: int) -> torch.Tensor:
 
 class NativeLayer:
     """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> the copy of it layer.c
-    reads (native.Packed or compact.Compact), as `form` (FORMS) makes them."""
+    reads (native.Packed or compact.Compact), as `form` makes them: exact = float32, bf16 = rounded to bfloat16 (a
+    drafter's, draft_precision=bf16), compact = each weight's exact compact form where it has one, else float32."""
 
     def __init__(self, fast: LeanLayer, operand, form: str = "exact"):
         self.fast, self.form = fast, form
@@ -75,7 +79,7 @@ class NativeLayer:
         s.hidden, s.heads, s.kv_heads = fast.qkv.weight.shape[1], fast.heads, fast.kv_heads
         s.head_dim, s.intermediate, s.scaling = fast.head_dim, fast.intermediate, fast.scaling
         s.weights[:] = [p.blocks.data_ptr() for p in self.packed]
-        s.formats[:] = [FORMATS[getattr(p, "kind", p.blocks.dtype)] for p in self.packed]
+        s.formats[:] = [FORMATS[_held_as(p)] for p in self.packed]
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
 
     @property
@@ -304,13 +308,13 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
     ways = {"native": forms("exact")}
     if compact:
         held = forms("compact")
-        if any(l.form == "compact" and any(hasattr(p, "kind") for p in l.packed) for l in held.values()):
+        if any(isinstance(p, Compact) for l in held.values() if l.form == "compact" for p in l.packed):
             ways["compact"] = held
     ways = {name: by for name, by in ways.items() if by}
     if not ways:
         return []
     # the stack's shapes and forms, the row counts and layer.c itself: a change to any is measured anew
-    text = " ".join(f"{name}:" + ",".join(f"{tuple(p.blocks.shape)}{getattr(p, 'kind', p.blocks.dtype)}"
+    text = " ".join(f"{name}:" + ",".join(f"{tuple(p.blocks.shape)}{_held_as(p)}"
                                           for l in by.values() for p in l.packed) for name, by in ways.items())
     key = hashlib.sha1((text + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
     stacks = {name: list(by.values()) for name, by in ways.items()}
@@ -349,7 +353,7 @@ def detach(fasts: list[LeanLayer]) -> None:
 
 def stack(fasts: Sequence[LeanLayer], table: KernelTable,
           form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
-    """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (FORMS) over
+    """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (NativeLayer's forms) over
     copies of its weights (the kernel table's, shared with the products' kernels where they are the same): built and
     checked once per form, and again if a weight changed."""
     out = {}
