@@ -159,3 +159,39 @@ def test_bf16_weights_only_for_the_drafter(tiny):
     cfg = SamplerConfig(max_new_tokens=10, gamma=2, eos_token_id=[], draft_precision="bf16")
     ar = generate(tiny, prompts, None, cfg).tokens
     assert torch.equal(generate(tiny, prompts, drafter, cfg).tokens, ar)
+
+
+def test_a_drafter_sized_weight_is_timed_from_memory(tmp_path, monkeypatch):
+    """A shape whose weights fit a large cache (a drafter's single 8192x576-like weight) is timed with each candidate's
+    operands evicted before its pass: timed warm, the candidates that share the weight warmed it for each other. Small
+    weights (tests' tiny models) are timed as they lie, and so is every shape where the library is missing."""
+    from specdec.sampling import kernels, native
+
+    if not native.available():
+        pytest.skip("no native library (no C compiler)")
+    evicted: list[int] = []
+    monkeypatch.setattr(native, "evict", lambda t: evicted.append(t.data_ptr()))
+    packed = Candidate(CANDIDATES["linear"].run, lambda w: w.clone())  # an operand of its own, like a packed copy
+    table = KernelTable(tmp_path / "k.json", candidates={"linear": CANDIDATES["linear"], "copy": packed}, rows=(1,))
+    big = torch.randn(kernels.COPY_BYTES // 4 // 256 + 1, 256)  # just over COPY_BYTES
+    table._time([big], 1, 3, table.candidates)
+    assert evicted.count(big.data_ptr()) == 3  # `linear` reads the weight itself: evicted before each of its passes
+    assert len(evicted) == 6  # and the copy's operand as often
+    evicted.clear()
+    table._time([torch.randn(64, 32)], 1, 3, table.candidates)
+    assert evicted == []
+    monkeypatch.setattr(native, "available", lambda: False)
+    table._time([big], 1, 3, table.candidates)
+    assert evicted == []
+
+
+def test_eviction_keeps_the_data():
+    from specdec.sampling import native
+
+    if not native.available():
+        pytest.skip("no native library (no C compiler)")
+    t = torch.randn(1000, 33)  # not a whole number of cache lines
+    before = t.clone()
+    native.evict(t)
+    native.evict(t[1:, 1:].contiguous())
+    torch.testing.assert_close(t, before, rtol=0, atol=0)

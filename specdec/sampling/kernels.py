@@ -27,6 +27,7 @@ the bytes, under a shape key of its own too (the form's kind appended)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -57,8 +58,8 @@ RECHECK_FACTOR = 1.5
 # one pass in call order with the per-shape choices is timed against one with each single kernel for every shape; a
 # single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
 WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
-# a shape's products are timed over at least STREAM_BYTES of weights, copies of them where they hold fewer, if one is
-# at least COPY_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
+# a shape whose weights hold fewer than STREAM_BYTES is timed from memory (evicted from the caches before each pass) if
+# one is at least COPY_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
 STREAM_BYTES, COPY_BYTES = 32 << 20, 1 << 20
 WHOLE_MARGIN = 1.05
 
@@ -274,14 +275,15 @@ class KernelTable:
         interleaved passes.
         Every weight of the shape once per pass (up to 32 of them, ~the layers of a small base): the products then
         stream from memory as in a real step instead of hitting a cache-warm copy. A shape with fewer weights than
-        STREAM_BYTES (a drafter's, which has one of each) is timed over copies of them up to that size: one weight
-        alone stays in the near caches between passes, while in a decode the base's whole step has gone through them
-        since."""
+        STREAM_BYTES (a drafter's, which has one of each) fits a large last-level cache, where in a decode the base's
+        whole step has gone through the caches between two of its products: each candidate's operands are evicted
+        from the caches (native.evict) before its pass, if one is at least COPY_BYTES. (Timed in the caches, the
+        float32 candidates, which share one operand and run back to back, warmed it for each other: mv beat the
+        bfloat16 packed copy of a prophet's 8192x576 head by 0.36 to 0.48 ms, and lost to it 0.54 to ~0.3 ms in the
+        decode, 2-core Xeon.)"""
         ws = weights[:32]
         size = sum(w.numel() * w.element_size() for w in ws)
-        if size < STREAM_BYTES and size >= len(ws) * COPY_BYTES:
-            copies = min(32 // len(ws), -(-STREAM_BYTES // size))
-            ws = ws + [w.clone() for _ in range(copies - 1) for w in ws]
+        cold = size < STREAM_BYTES and size >= len(ws) * COPY_BYTES and native.available()
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
         reference = F.linear(x, ws[0])
         usable = {}
@@ -298,6 +300,9 @@ class KernelTable:
         best = {name: float("inf") for name in usable}
         for _ in range(passes):  # interleaved passes, best of them: drift hits every candidate alike
             for name, (fn, operands) in usable.items():
+                if cold:
+                    for tensor in (tensor for op in operands for tensor in _tensors(op)):
+                        native.evict(tensor)
                 t = time.perf_counter()
                 for op in operands:
                     fn(x, op)
@@ -407,9 +412,18 @@ class KernelTable:
         return operand
 
 
+def _tensors(operand: Any) -> list[torch.Tensor]:
+    """The dense tensors an operand holds (a weight, a view of it, or a packed copy's fields)."""
+    if isinstance(operand, torch.Tensor):
+        return [operand] if operand.layout == torch.strided else []
+    if dataclasses.is_dataclass(operand):
+        return [t for f in dataclasses.fields(operand) for t in _tensors(getattr(operand, f.name))]
+    return []
+
+
 def _signature(candidates: dict[str, Candidate]) -> str:
     """The candidates' names, how they are timed and the native kernel's source, hashed."""
-    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes " + (
+    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes, evicted from {COPY_BYTES} " + (
         native.SOURCE.read_text() if native.SOURCE.exists() else "")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

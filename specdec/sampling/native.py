@@ -128,6 +128,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.smallm_pack_rows.restype = ctypes.c_int
+    if hasattr(lib, "smallm_evict"):  # (an older revision's library lacks it)
+        lib.smallm_evict.restype = None
+        lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
     layer = getattr(lib, "smallm_layer", None)  # absent from an older revision's library (ab_native.py)
     if layer is not None:
         layer.restype = ctypes.c_int
@@ -144,6 +147,11 @@ def open_library(path: Path | str) -> ctypes.CDLL:
 
 def available() -> bool:
     return _load() is not None
+
+
+def evict(t: torch.Tensor) -> None:
+    """Drop t's memory from the CPU's caches (smallm_evict): what reads it next reads it from memory."""
+    _library().smallm_evict(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _library() -> ctypes.CDLL:

@@ -345,3 +345,25 @@ void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, in
 void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads) {
     gemm(Q8, QBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
 }
+
+/* Drop [p, p + bytes) from every cache level (written back first where dirty): the kernel table times a drafter's
+   weight as a decode reads it, from memory, after the base's whole step went through the caches in between. Without
+   a cache-line flush instruction (not x86) it does nothing, and the weight is timed as it lies. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+void smallm_evict(const void *p, long bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+    const char *c = (const char *)((uintptr_t)p & ~(uintptr_t)63);
+    for (const char *end = (const char *)p + bytes; c < end; c += 64)
+#if defined(__CLFLUSHOPT__)
+        _mm_clflushopt((void *)c);
+#else
+        _mm_clflush(c);
+#endif
+    _mm_mfence();
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
