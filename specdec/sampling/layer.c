@@ -68,14 +68,29 @@ static inline fvec vload(const float *p) {
 static inline void vstore(float *p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
 static inline fvec splat(float f) { return (fvec){0} + f; }
 
+/* the lanes' sum: one shuffle-and-add tree in registers where the CPU has the vectors. The generic loop went through
+   the stack, each attention score waiting on a chain of 15 dependent adds: outside its products, a pass of SmolLM2's
+   30 layers over 9 tokens took 3.8 ms with it, 2.4 ms with this and the vector max in `attend` (products 7.5-7.8 ms;
+   2-core Xeon, twenty-fifth session) */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 static inline float vsum(fvec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
     float s = 0.f;
     for (int l = 0; l < PLANES; l++) s += v[l];
     return s;
+#endif
 }
 
 /* per lane: a where m is set (all ones), else b */
-static inline fvec select(ivec m, fvec a, fvec b) {
+static inline fvec blend(ivec m, fvec a, fvec b) {
     ivec ia, ib;
     __builtin_memcpy(&ia, &a, sizeof ia);
     __builtin_memcpy(&ib, &b, sizeof ib);
@@ -89,7 +104,7 @@ static inline fvec select(ivec m, fvec a, fvec b) {
    score: the additive mask is the dtype's lowest value, and its weight must vanish as in SDPA) */
 static inline fvec vexp(fvec x) {
     const ivec dead = x < -87.0f;
-    x = select(x > 88.3f, splat(88.3f), select(dead, splat(-87.0f), x));
+    x = blend(x > 88.3f, splat(88.3f), blend(dead, splat(-87.0f), x));
     fvec fx = x * 1.44269504088896341f + 0.5f;
     ivec n = __builtin_convertvector(fx, ivec);                 /* truncates toward zero: floor needs a fix-up */
     n += (ivec)(__builtin_convertvector(n, fvec) > fx);         /* true is -1 */
@@ -105,7 +120,7 @@ static inline fvec vexp(fvec x) {
     const ivec scale = (n + 127) << 23;                         /* 2^n as a float's bits */
     fvec p;
     __builtin_memcpy(&p, &scale, sizeof p);
-    return select(dead, (fvec){0}, y * p);
+    return blend(dead, (fvec){0}, y * p);
 }
 
 static float vexp_scalar(float x) {
@@ -135,25 +150,34 @@ static void rms_norm(const float *x, const float *w, float *out, int n, int H, f
 static void rotate(float *x, const float *cos, const float *sin, int d) {
     float tmp[512];
     const int half = d / 2;
-    for (int j = 0; j < d; j++) tmp[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
+    /* two loops without a per-element branch: both vectorise */
+    for (int j = 0; j < half; j++) tmp[j] = x[j] * cos[j] + x[j + half] * sin[j];
+    for (int j = half; j < d; j++) tmp[j] = x[j] * cos[j] + x[j - half] * sin[j];
     __builtin_memcpy(x, tmp, sizeof(float) * d);
 }
 
 /* o [d] = softmax(q·Kᵀ·scaling + mask) · V over the window's `width` slots; scores: `width` floats of scratch */
-static void attend(const float *q, const float *K, const float *V, const float *mask, float *scores, float *o,
-                   int width, int d, float scaling) {
-    float top = -3.4e38f;
+static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V,
+                                                         const float *mask, float *scores, float *o, int width, int d,
+                                                         float scaling) {
     for (int w = 0; w < width; w++) {
         const float *k = K + (size_t)w * d;
         fvec acc = {0};
         for (int j = 0; j < d; j += PLANES) acc += vload(q + j) * vload(k + j);
-        float s = vsum(acc) * scaling;
-        if (mask) s += mask[w];
-        scores[w] = s;
-        top = s > top ? s : top;
+        scores[w] = vsum(acc) * scaling + (mask ? mask[w] : 0.f);
     }
-    fvec total = {0};
+    /* the largest score, PLANES at a time (a running scalar max made every score wait on the one before) */
+    fvec most = splat(-3.4e38f);
     int w = 0;
+    for (; w + PLANES <= width; w += PLANES) {
+        const fvec v = vload(scores + w);
+        most = blend(v > most, v, most);
+    }
+    float top = -3.4e38f;
+    for (int l = 0; l < PLANES; l++) top = most[l] > top ? most[l] : top;
+    for (; w < width; w++) top = scores[w] > top ? scores[w] : top;
+    fvec total = {0};
+    w = 0;
     for (; w + PLANES <= width; w += PLANES) {
         const fvec e = vexp(vload(scores + w) - top);
         vstore(scores + w, e);
@@ -226,9 +250,14 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
         const int t = 0;
 #endif
         const int hd = task / n, r = task % n, g = hd / group;
-        attend(wide + (size_t)r * qkv_width + (size_t)hd * d, L->keys + (size_t)g * L->max_len * d,
-               L->values + (size_t)g * L->max_len * d, mask ? mask + (size_t)r * width : NULL,
-               scores + (size_t)t * width, att + (size_t)r * heads * d + (size_t)hd * d, width, d, L->scaling);
+        const float *q = wide + (size_t)r * qkv_width + (size_t)hd * d;
+        const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
+        const float *m = mask ? mask + (size_t)r * width : NULL;
+        float *o = att + (size_t)r * heads * d + (size_t)hd * d, *sc = scores + (size_t)t * width;
+        if (d == 64)  /* the common head size as a constant: its loops unroll */
+            attend(q, K, V, m, sc, o, width, 64, L->scaling);
+        else
+            attend(q, K, V, m, sc, o, width, d, L->scaling);
     }
     product(L, OUT, att, y, n, heads * d, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
