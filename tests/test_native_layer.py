@@ -15,6 +15,7 @@ import torch
 from specdec.base import LAST, load_base, tiny_base
 from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling import kernels, native, native_layer
+from specdec.sampling.compact import Compact
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import BF16, CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import lean, lean_layers
@@ -137,8 +138,8 @@ def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
     block = lean(drafter.exits[0].blocks[0])
     with measured_kernels(base, drafter, table=rounded, bf16=[drafter]):
         assert "forward" in block.qkv.__dict__  # its products are the rounded ones ...
-        assert block.native is not None and block.native.bf16  # ... and so are its native layer's
-        assert all(not lean(layer).native.bf16 for layer in base.layers)  # the base's own: exact
+        assert block.native is not None and block.native.form == "bf16"  # ... and so are its native layer's
+        assert all(not lean(layer).native.rounded for layer in base.layers)  # the base's own: exact
         prompts = [list(range(30, 49))]
         fast = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3))
     stock = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3,
@@ -201,7 +202,7 @@ def test_layers_it_does_not_compute_are_refused(base):
     wrong.struct.eps = 0.5  # a layer whose numbers differ from its lean layer's is not used
     assert not native_layer.agrees(wrong)
     rounded = native_layer.build(fast, lambda w: native.pack(w.to(torch.bfloat16)), "bf16")
-    assert rounded is not None and rounded.bf16  # bfloat16 weights: within the bf16 tolerance of the exact layer
+    assert rounded is not None and rounded.rounded  # bfloat16 weights: within the bf16 tolerance of the exact layer
     wrong = native_layer.NativeLayer(fast, lambda w: native.pack(w.to(torch.bfloat16)), "bf16")
     wrong.struct.eps = 0.5
     assert not native_layer.agrees(wrong)
@@ -218,3 +219,23 @@ def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
         ours = generate(base, ids.tolist(), None, SamplerConfig(max_new_tokens=24, eos_token_id=[]))
     assert forced and all(forced)
     assert ours.tokens[0].tolist() == hf.tolist()
+
+
+@needs_compiler
+def test_a_drafter_under_q8_gets_its_native_layer_in_q8_blocks(base, forced, monkeypatch):
+    """draft_precision=q8: the drafter's block may also run natively from Q8_0 blocks of its weights (layer.c's q8
+    form, checked to the bf16 tolerance against its exact lean forward) where that way measures fastest; the base's
+    layers stay exact, and decoding stays lossless."""
+    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
+        r: {"lean": 3.0, **{way: 2.0 if way != "q8" else 1.0 for way in ways}} for r in counts})
+    drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
+    block = lean(drafter.exits[0].blocks[0])
+    prompts = [list(range(30, 49))]
+    cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3, draft_precision="q8")
+    with measured_kernels(base, drafter, table=table(), bf16=[drafter], q8=True):
+        assert block.native is not None and block.native.form == "q8" and block.native.rounded
+        assert all(isinstance(p, Compact) and p.kind == "q8" for p in block.native.packed)
+        assert all(not lean(layer).native.rounded for layer in base.layers)  # the base's own: exact
+        fast = generate(base, prompts, drafter, cfg)
+    stock = generate(base, prompts, drafter, dataclasses.replace(cfg, cpu_kernels="stock"))
+    assert fast.tokens.tolist() == stock.tokens.tolist()

@@ -180,6 +180,21 @@ def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous()
 
 
+@torch.no_grad()
+def quantize_q8(w: torch.Tensor) -> Compact:
+    """w ROUNDED to llama.cpp's Q8_0 (per 32 weights of a row: d = their largest magnitude / 127 in float32, q =
+    round(w / d)) in the q8 layout: not an exact form, so only for a drafter's weights (draft_precision=q8), where a
+    rounded weight changes what is drafted, never what the base accepts. Each weight moves by at most d/2, 1/254 of its
+    group's largest; raises where a row is not whole groups."""
+    o, i = w.shape
+    if i % GROUP or w.dtype != torch.float32 or w.device.type != "cpu":
+        raise ValueError(f"Q8_0 blocks need float32 CPU rows of whole groups of {GROUP}, got {tuple(w.shape)} {w.dtype}")
+    g = w.detach().view(o, i // GROUP, GROUP)
+    d = g.abs().amax(-1, keepdim=True) / 127  # [O, G, 1]
+    q = (g / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-127, 127).to(torch.int8).view(o, i)
+    return Compact("q8", pack_q8(d.squeeze(-1), q), o, i)
+
+
 def gemm(x: torch.Tensor, c: Compact) -> torch.Tensor:
     """x [M, I] (float32, CPU) · Wᵀ -> [M, O] from W's compact form."""
     lib = native._library()

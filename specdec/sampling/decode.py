@@ -68,6 +68,8 @@ class SamplerConfig:
     # measures faster (half the bytes to stream; activations and sums stay fp32). Changes what is drafted, never what
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
     # (Prophet recipe, γ = 4, Zen 4 EPYC: 15 % less drafting per round, τ unchanged; experiments/README.md.)
+    # q8 = as bf16, and the drafter's linears may also multiply with its weights rounded to llama.cpp's Q8_0 blocks
+    # (1.125 bytes per weight; each moves by at most 1/254 of its block's largest), where that measures faster.
     draft_precision: str = "bf16"
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the
@@ -86,7 +88,8 @@ class SamplerConfig:
             (self.tree in ("chain", "static", "dynamic"), f"tree must be chain, static or dynamic, got {self.tree!r}"),
             (self.acceptance in ("rejection", "typical"), f"acceptance must be rejection or typical, got {self.acceptance!r}"),
             (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
-            (self.draft_precision in ("fp32", "bf16"), f"draft_precision must be fp32 or bf16, got {self.draft_precision!r}"),
+            (self.draft_precision in ("fp32", "bf16", "q8"),
+             f"draft_precision must be fp32, bf16 or q8, got {self.draft_precision!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
             (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
             (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
@@ -292,7 +295,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     round is a lookup round depends on every row of the batch)."""
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     drafters = [drafter] if drafter is not None else []
-    bf16 = drafters if cfg.draft_precision == "bf16" else []
+    bf16 = drafters if cfg.draft_precision in ("bf16", "q8") else []  # the drafter's weights may be rounded
     curve = None
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
@@ -300,7 +303,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
                             cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
-                           compact=cfg.compact_weights) if fast else nullcontext()):
+                           compact=cfg.compact_weights, q8=cfg.draft_precision == "q8") if fast else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 

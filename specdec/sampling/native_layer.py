@@ -65,11 +65,13 @@ def _scratch(floats: int) -> torch.Tensor:
 class NativeLayer:
     """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> the copy of it layer.c
     reads (native.Packed or compact.Compact), as `form` makes them: exact = float32, bf16 = rounded to bfloat16 (a
-    drafter's, draft_precision=bf16), compact = each weight's exact compact form where it has one, else float32."""
+    drafter's, draft_precision=bf16), q8 = rounded to Q8_0 blocks (a drafter's, draft_precision=q8), compact = each
+    weight's exact compact form where it has one, else float32."""
 
     def __init__(self, fast: LeanLayer, operand, form: str = "exact"):
         self.fast, self.form = fast, form
-        self.bf16 = form == "bf16"  # its products are rounded (checked to the bf16 tolerance, not float32 rounding)
+        # its products are rounded (checked to the kernel table's bf16 tolerance, not float32 rounding)
+        self.rounded = form in ("bf16", "q8")
         norm1, norm2, o_proj, down_proj, act = fast._parts
         self.lib = native._library()
         self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
@@ -243,7 +245,7 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
         if got is None or not bool(torch.isfinite(got).all()):
             return False
         # compared on what the layer adds to its input: the residual would hide an error in it
-        tolerance = BF16_TOLERANCE if layer.bf16 else 1e-4
+        tolerance = BF16_TOLERANCE if layer.rounded else 1e-4
         if float((got - ref).abs().max()) > tolerance * float((ref - hidden).abs().max()):
             return False
     return True
@@ -291,21 +293,24 @@ _CHECKED: set[str] = set()  # stacks whose stored timings this process has re-ch
 
 
 def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Collection[LeanLayer] = (),
-           compact: bool = True) -> list[LeanLayer]:
+           compact: bool = True, q8: bool = False) -> list[LeanLayer]:
     """Give `module`'s lean layers, per row count, the native form that a pass through the stack of them measured
     fastest, where one beat the lean layers (measured once per machine and stack, stored in `table`, and re-checked
     once per process at one row). The ways measured: "native" (float32 weights; bfloat16 copies where bf16, a
-    drafter's, except for layers in `exact`: the base's, which a drafter may run too) and, where compact and some
-    weight has an exact compact form (compact.py), "compact" (those forms, the rest as "native"). Returns the layers
+    drafter's, except for layers in `exact`: the base's, which a drafter may run too), with bf16 and q8 also "q8" (those
+    bfloat16 copies as Q8_0 blocks instead) and, where compact and some weight has an exact compact form (compact.py),
+    "compact" (those forms, the rest as "native"). Returns the layers
     it attached to (for `detach`); a layer already attached (nested use) is left."""
     fasts = [f for f in lean_layers(module) if not f.native_rows]
     if not fasts:
         return []
 
-    def forms(exact_form: str) -> dict[LeanLayer, NativeLayer]:
-        return stack(fasts, table, lambda f: "bf16" if bf16 and f not in exact else exact_form)
+    def forms(exact_form: str, rounded: str = "bf16") -> dict[LeanLayer, NativeLayer]:
+        return stack(fasts, table, lambda f: rounded if bf16 and f not in exact else exact_form)
 
     ways = {"native": forms("exact")}
+    if bf16 and q8:
+        ways["q8"] = forms("exact", "q8")
     if compact:
         held = forms("compact")
         if any(isinstance(p, Compact) for l in held.values() if l.form == "compact" for p in l.packed):
@@ -373,6 +378,8 @@ def _operand(table: KernelTable, form: str):
     if form == "compact":
         exact = _operand(table, "exact")
         return lambda w: compact.form(w) or exact(w)
+    if form == "q8":  # the table's own rounding where it offers it (then shared with the products' kernel)
+        return (lambda w: table.operand("native_q8", w)) if "native_q8" in table.q8 else compact.quantize_q8
     name = "native_packed_bf16" if form == "bf16" else "native_packed"
     if name in table.candidates or name in table.bf16:
         return lambda w: table.operand(name, w)
