@@ -1,5 +1,6 @@
 """Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, with the drafter's
-weights exact (fp32) and as bfloat16 copies (the sampler's default draft_precision), per family.
+weights exact (fp32), as bfloat16 copies (the sampler's default draft_precision) and with Q8_0 blocks allowed too (q8),
+per family.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48]
 
@@ -41,7 +42,7 @@ def main() -> None:
                          "prophet": lambda v: Prophet(base, draft_vocab_size=v)}.items():
         for vocab in (None, 8192):
             drafter = make(vocab).eval()
-            for precision in ("fp32", "bf16"):
+            for precision in ("fp32", "bf16", "q8"):
                 pcfg = replace(cfg, draft_precision=precision)
                 generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
                 r = generate(base, [prompt], drafter, pcfg)
