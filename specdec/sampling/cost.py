@@ -17,6 +17,13 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.kernels import KernelTable, measured_kernels
 
 
+# Warm-up passes over every n after the prompt's prefill, before the timed ones. With one, T_1 read 7.4-8.3 ms against
+# 5.8-6.8 ms for the same forward inside our AR loop, on the prompts it was measured after (2-core Xeon, twenty-fifth
+# session; experiments/README.md): the prefill's float32 products had just gone through the caches, and every cost
+# ratio divides by T_1. With 8 it read 5.5-7.0 ms.
+WARMUP = 8
+
+
 def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
                   cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None,
                   native_layers: bool = True, cuda_graphs: bool = True,
@@ -36,8 +43,8 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                   cpu_kernels: str = "measured", lean: bool = True,
                   table: KernelTable | None = None, native_layers: bool = True,
                   cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                  compact_weights: bool = True) -> dict[int, list[float]]:
-    """`forward_costs`' timings, every one (`reps` per n, after one warm-up pass that is not kept): a caller that
+                  compact_weights: bool = True, warmup: int = WARMUP) -> dict[int, list[float]]:
+    """`forward_costs`' timings, every one (`reps` per n, after `warmup` passes that are not kept): a caller that
     samples again later, e.g. between an evaluation's prompts, pools them all."""
     dev = base.device
     g = torch.Generator().manual_seed(0)
@@ -51,14 +58,14 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
         ctx.base_forward(prompt)
         ctx.commit(torch.tensor([prompt_len], device=dev), [prompt_len])
         head = shortlist(base.lm_head) if greedy_shortlist and fast else None  # as _generate takes it
-        for rep in range(reps + 1):  # the first pass warms up (and records each n's graph) and is not kept
+        for rep in range(reps + warmup):  # the first passes warm up (and record each n's graph) and are not kept
             for n in ns:
                 tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
                 ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                 t0 = wall_clock(dev)
                 hidden, _ = ctx.base_forward(tokens)
                 head.argmax(hidden) if head is not None and head.wins(n) else base.lm_head(hidden)
-                if rep:
+                if rep >= warmup:
                     times[n].append(wall_clock(dev) - t0)
     return times
 
