@@ -120,3 +120,22 @@ def test_packed_product(threads):
         torch.set_num_threads(before)
     with pytest.raises(ValueError):
         native.packed_gemm(torch.randn(2, 63), native.pack(torch.randn(8, 64)))  # inputs do not match
+
+
+@pytest.mark.skipif(not has_compiler, reason="no C compiler on this machine")
+def test_a_flag_set_that_fails_says_why(fresh, monkeypatch, capsys):
+    """Sources that do not compile with the first flag set build with the next one, and the build says so with the
+    compiler's error: a library without -march=native runs the same products many times slower."""
+    broken, other = fresh.parent / "broken.c", fresh.parent / "other.c"
+    broken.write_text("#ifdef BREAK\n#error broken on purpose\n#endif\nint f(void) { return 1; }\n")
+    other.write_text("int g(void) { return 2; }\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "LAYER_SOURCE", other)
+    monkeypatch.setattr(native, "FLAGS", (["-O1", "-DBREAK"], ["-O1"]))
+    path = native._build(native.find_compiler())
+    assert path is not None and path.name.endswith("-O1.so")
+    said = capsys.readouterr().out
+    assert "native kernels built with -O1: -O1 -DBREAK failed" in said and "broken on purpose" in said
+    errors: list[str] = []
+    assert native.compile_library(native.find_compiler(), ["-DBREAK"], [broken], fresh.parent / "x.so", errors) is False
+    assert len(errors) == 1 and "broken on purpose" in errors[0]

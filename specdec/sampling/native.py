@@ -68,6 +68,7 @@ def _build(compiler: str) -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha1(source + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    failed: list[str] = []  # why the flag sets before the one that compiled did not
     for flags in FLAGS:
         target = CACHE / f"smallm-{key}-{'_'.join(f.strip('-') for f in flags)}.so"
         if target.exists():
@@ -76,24 +77,30 @@ def _build(compiler: str) -> Path | None:
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             out = Path(tmp) / target.name
-            done = compile_library(compiler, flags, sources, out)
+            done = compile_library(compiler, flags, sources, out, failed)
             build_s += time.perf_counter() - t0
             if done is None:
                 return None
             if done:
                 os.replace(out, target)  # atomic: a concurrent process sees the whole library or none
+                if failed and "-march=native" not in flags:  # said out loud: without it the kernels are far slower
+                    print(f"[specdec] native kernels built with {' '.join(flags)}: {failed[0]}", flush=True)
                 return target
     return None
 
 
-def compile_library(compiler: str, flags: list[str], sources: list[Path], out: Path) -> bool | None:
-    """Compile `sources` into the one shared library `out` with `flags`: whether it compiled; None when the compiler
-    could not be run at all."""
+def compile_library(compiler: str, flags: list[str], sources: list[Path], out: Path,
+                    errors: list[str] | None = None) -> bool | None:
+    """Compile `sources` into the one shared library `out` with `flags`: whether it compiled (if not, the compiler's
+    first error line is appended to `errors`); None when the compiler could not be run at all."""
     try:
         done = subprocess.run([compiler, *flags, "-shared", "-fPIC", *map(str, sources), "-o", str(out)],
-                              capture_output=True, timeout=120)
+                              capture_output=True, timeout=120, text=True)
     except (OSError, subprocess.SubprocessError):
         return None
+    if done.returncode and errors is not None:
+        first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:200])
+        errors.append(f"{' '.join(flags)} failed ({first.strip()})")
     return done.returncode == 0
 
 
