@@ -173,7 +173,7 @@ def test_a_drafter_sized_weight_is_timed_from_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "evict", lambda t: evicted.append(t.data_ptr()))
     packed = Candidate(CANDIDATES["linear"].run, lambda w: w.clone())  # an operand of its own, like a packed copy
     table = KernelTable(tmp_path / "k.json", candidates={"linear": CANDIDATES["linear"], "copy": packed}, rows=(1,))
-    big = torch.randn(kernels.COPY_BYTES // 4 // 256 + 1, 256)  # just over COPY_BYTES
+    big = torch.randn(kernels.COLD_BYTES // 4 // 256 + 1, 256)  # just over COLD_BYTES
     table._time([big], 1, 3, table.candidates)
     assert evicted.count(big.data_ptr()) == 3  # `linear` reads the weight itself: evicted before each of its passes
     assert len(evicted) == 6  # and the copy's operand as often

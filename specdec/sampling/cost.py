@@ -17,10 +17,10 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.kernels import KernelTable, measured_kernels
 
 
-# Warm-up passes over every n after the prompt's prefill, before the timed ones. With one, T_1 read 7.4-8.3 ms against
-# 5.8-6.8 ms for the same forward inside our AR loop, on the prompts it was measured after (2-core Xeon, twenty-fifth
-# session; experiments/README.md): the prefill's float32 products had just gone through the caches, and every cost
-# ratio divides by T_1. With 8 it read 5.5-7.0 ms.
+# Warm-up passes over every n after the prompt's prefill, before the timed ones. After one, the forwards still read
+# slower than the same forward inside our AR loop (the prefill's float32 products had just gone through the caches), and
+# every cost ratio divides by T_1: the `leviathan` table's a, our AR loop's time per token in T_1, was 0.86-0.93 on the
+# 2-core Xeon (twenty-fifth session, experiments/README.md); after 8, 1.01-1.25.
 WARMUP = 8
 
 

@@ -60,8 +60,8 @@ RECHECK_FACTOR = 1.5
 # single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
 WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
 # a shape whose weights hold fewer than STREAM_BYTES is timed from memory (evicted from the caches before each pass) if
-# one is at least COPY_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
-STREAM_BYTES, COPY_BYTES = 32 << 20, 1 << 20
+# one is at least COLD_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
+STREAM_BYTES, COLD_BYTES = 32 << 20, 1 << 20
 WHOLE_MARGIN = 1.05
 
 
@@ -283,13 +283,13 @@ class KernelTable:
         stream from memory as in a real step instead of hitting a cache-warm copy. A shape with fewer weights than
         STREAM_BYTES (a drafter's, which has one of each) fits a large last-level cache, where in a decode the base's
         whole step has gone through the caches between two of its products: each candidate's operands are evicted
-        from the caches (native.evict) before its pass, if one is at least COPY_BYTES. (Timed in the caches, the
-        float32 candidates, which share one operand and run back to back, warmed it for each other: mv beat the
-        bfloat16 packed copy of a prophet's 8192x576 head by 0.36 to 0.48 ms, and lost to it 0.54 to ~0.3 ms in the
-        decode, 2-core Xeon.)"""
+        from the caches (native.evict) before its pass, if one is at least COLD_BYTES. (Timed in the caches, the
+        float32 candidates, which share one operand and run back to back, warmed it for each other: for a prophet's
+        8192x576 head at one row, mv read 0.36 ms against 0.48 for the bfloat16 packed copy, which reads half the
+        bytes; from memory 0.71 against 0.44 ms, 2-core Xeon.)"""
         ws = weights[:32]
         size = sum(w.numel() * w.element_size() for w in ws)
-        cold = size < STREAM_BYTES and size >= len(ws) * COPY_BYTES and native.available()
+        cold = size < STREAM_BYTES and size >= len(ws) * COLD_BYTES and native.available()
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
         reference = F.linear(x, ws[0])
         usable = {}
@@ -430,7 +430,7 @@ def _tensors(operand: Any) -> list[torch.Tensor]:
 
 def _signature(candidates: dict[str, Candidate]) -> str:
     """The candidates' names, how they are timed and the native kernel's source, hashed."""
-    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes, evicted from {COPY_BYTES} " + (
+    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes, evicted from {COLD_BYTES} " + (
         native.SOURCE.read_text() if native.SOURCE.exists() else "")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

@@ -65,8 +65,9 @@ def _scratch(floats: int) -> torch.Tensor:
 class NativeLayer:
     """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> the copy of it layer.c
     reads (native.Packed or compact.Compact), as `form` makes them: exact = float32, bf16 = rounded to bfloat16 (a
-    drafter's, draft_precision=bf16), q8 = rounded to Q8_0 blocks (a drafter's, draft_precision=q8), compact = each
-    weight's exact compact form where it has one, else float32."""
+    drafter's, draft_precision=bf16), q8 = rounded to Q8_0 blocks where its rows are whole groups of 32, else to
+    bfloat16 (a drafter's, draft_precision=q8), compact = each weight's exact compact form where it has one, else
+    float32."""
 
     def __init__(self, fast: LeanLayer, operand, form: str = "exact"):
         self.fast, self.form = fast, form
@@ -379,7 +380,16 @@ def _operand(table: KernelTable, form: str):
         exact = _operand(table, "exact")
         return lambda w: compact.form(w) or exact(w)
     if form == "q8":  # the table's own rounding where it offers it (then shared with the products' kernel)
-        return (lambda w: table.operand("native_q8", w)) if "native_q8" in table.q8 else compact.quantize_q8
+        rounded = (lambda w: table.operand("native_q8", w)) if "native_q8" in table.q8 else compact.quantize_q8
+        copy = _operand(table, "bf16")
+
+        def q8(w: torch.Tensor):
+            try:
+                return rounded(w)
+            except ValueError:  # rows that are not whole groups of 32: its bfloat16 copy (layer.c reads either)
+                return copy(w)
+
+        return q8
     name = "native_packed_bf16" if form == "bf16" else "native_packed"
     if name in table.candidates or name in table.bf16:
         return lambda w: table.operand(name, w)
