@@ -239,3 +239,5 @@ def test_a_drafter_under_q8_gets_its_native_layer_in_q8_blocks(base, forced, mon
         fast = generate(base, prompts, drafter, cfg)
     stock = generate(base, prompts, drafter, dataclasses.replace(cfg, cpu_kernels="stock"))
     assert fast.tokens.tolist() == stock.tokens.tolist()
+    odd = native_layer._operand(table(), "q8")(torch.randn(64, 40))  # rows that are not whole groups of 32 ...
+    assert isinstance(odd, native.Packed) and odd.blocks.dtype == torch.bfloat16  # ... keep their bfloat16 copy

@@ -188,7 +188,8 @@ def quantize_q8(w: torch.Tensor) -> Compact:
     group's largest; raises where a row is not whole groups."""
     o, i = w.shape
     if i % GROUP or w.dtype != torch.float32 or w.device.type != "cpu":
-        raise ValueError(f"Q8_0 blocks need float32 CPU rows of whole groups of {GROUP}, got {tuple(w.shape)} {w.dtype}")
+        raise ValueError(f"Q8_0 blocks need float32 CPU rows of whole groups of {GROUP}, got {tuple(w.shape)} "
+                         f"{w.dtype}")
     g = w.detach().view(o, i // GROUP, GROUP)
     d = g.abs().amax(-1, keepdim=True) / 127  # [O, G, 1]
     q = (g / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-127, 127).to(torch.int8).view(o, i)

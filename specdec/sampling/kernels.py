@@ -377,8 +377,8 @@ class KernelTable:
     def plan(self, weight: torch.Tensor, uniform: dict[int, str] | None = None, bf16: bool = False,
              compact: bool = False, q8: bool = False) -> list[tuple[Kernel, torch.Tensor] | None]:
         """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows; uniform:
-        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`; bf16, compact: as `prepare`'s); None
-        where plain F.linear was fastest (so the common path pays no extra call)."""
+        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`; bf16, compact, q8: as `prepare`'s);
+        None where plain F.linear was fastest (so the common path pays no extra call)."""
         names = self._names(_shape_key(weight, bf16, compact, q8))
         if uniform:
             buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
@@ -464,8 +464,9 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     so those are patched (and measured) instead of the five they stand for. Each module's products are then
     arbitrated as a whole (`table.arbitrate`, once per machine and model). bf16: those of `modules` (drafters) whose
     linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
-    lm_head) stays exact; q8: those may also take the Q8 candidates (draft_precision=q8). native_layers (with lean): each module's lean layers also run as one native call each where
-    a pass through them measures faster so (native_layer.attach, after the products are patched). compact: the exact
+    lm_head) stays exact; q8: those may also take the Q8 candidates (draft_precision=q8). native_layers (with lean):
+    each module's lean layers also run as one native call each where a pass through them measures faster so
+    (native_layer.attach, after the products are patched). compact: the exact
     weights that have an exact compact form (compact.py) may also be multiplied from it, and the native layers hold
     them so where that measures faster."""
     table = table or default_table()
