@@ -81,6 +81,11 @@ def _find(w: torch.Tensor) -> Compact | None:
     return None
 
 
+def _codes(x: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """round(x / d) clamped to [lo, hi], 0 where the scale d is 0 (an all-equal group)."""
+    return (x / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(lo, hi)
+
+
 def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
     """Where float64 t holds a float16 value (finite)."""
     return torch.isfinite(t) & (t.to(torch.float16).double() == t)
@@ -111,8 +116,7 @@ def q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     for step in (0, -1, 1, -2, 2):
         d = (bits + step).view(torch.float16).double()  # the float16 `step` values away (d0 ≥ 0: bits are ordered)
         d = torch.where(d > 0, d, torch.zeros_like(d))
-        q = torch.where(d > 0, ((g - m) / torch.where(d > 0, d, torch.ones_like(d))).round(), torch.zeros_like(g))
-        q = q.clamp(0, 15)
+        q = _codes(g - m, d, 0, 15)
         # d·q (≤ 15 significant bits) and m (≤ 11) are exact in float64 and so is their sum unless their exponents
         # lie ~38 apart; the cast to float32 is then the one rounding an fma makes
         exact = (d * q + m).float()
@@ -142,7 +146,7 @@ def q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     d = g.abs().amax(-1, keepdim=True) / 127
     if not bool(_fp16_exact(d).all()):
         return None
-    q = torch.where(d > 0, g / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(g)).round().clamp(-127, 127)
+    q = _codes(g, d, -127, 127)
     if not bool(_same_bits((d * q).float(), w.view(o, i // GROUP, GROUP)).all()):
         return None
     return d.squeeze(-1).float(), q.to(torch.int8).view(o, i)
@@ -192,7 +196,7 @@ def quantize_q8(w: torch.Tensor) -> Compact:
                          f"{w.dtype}")
     g = w.detach().view(o, i // GROUP, GROUP)
     d = g.abs().amax(-1, keepdim=True) / 127  # [O, G, 1]
-    q = (g / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-127, 127).to(torch.int8).view(o, i)
+    q = _codes(g, d, -127, 127).to(torch.int8).view(o, i)
     return Compact("q8", pack_q8(d.squeeze(-1), q), o, i)
 
 

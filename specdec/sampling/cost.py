@@ -71,8 +71,7 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
 
 
 # base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights): v(0..n)}: each base's
-# curve, measured
-# once per process
+# curve, measured once per process
 _CURVES: weakref.WeakKeyDictionary[Base, dict[tuple, list[float]]] = weakref.WeakKeyDictionary()
 
 

@@ -306,8 +306,8 @@ class KernelTable:
         best = {name: float("inf") for name in usable}
         for _ in range(passes):  # interleaved passes, best of them: drift hits every candidate alike
             for name, (fn, operands) in usable.items():
-                if cold:
-                    for tensor in (tensor for op in operands for tensor in _tensors(op)):
+                for op in operands if cold else ():
+                    for tensor in _tensors(op):
                         native.evict(tensor)
                 t = time.perf_counter()
                 for op in operands:
@@ -466,9 +466,8 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
     lm_head) stays exact; q8: those may also take the Q8 candidates (draft_precision=q8). native_layers (with lean):
     each module's lean layers also run as one native call each where a pass through them measures faster so
-    (native_layer.attach, after the products are patched). compact: the exact
-    weights that have an exact compact form (compact.py) may also be multiplied from it, and the native layers hold
-    them so where that measures faster."""
+    (native_layer.attach, after the products are patched). compact: the weights that have an exact compact form
+    (compact.py) may also be multiplied from it, and the native layers hold them so where that measures faster."""
     table = table or default_table()
     groups = []  # (a module's linears, whether they may take the BF16 candidates)
     for mod in modules:

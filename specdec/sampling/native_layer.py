@@ -300,8 +300,8 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
     once per process at one row). The ways measured: "native" (float32 weights; bfloat16 copies where bf16, a
     drafter's, except for layers in `exact`: the base's, which a drafter may run too), with bf16 and q8 also "q8" (those
     bfloat16 copies as Q8_0 blocks instead) and, where compact and some weight has an exact compact form (compact.py),
-    "compact" (those forms, the rest as "native"). Returns the layers
-    it attached to (for `detach`); a layer already attached (nested use) is left."""
+    "compact" (those forms, the rest as "native"). Returns the layers it attached to (for `detach`); a layer already
+    attached (nested use) is left."""
     fasts = [f for f in lean_layers(module) if not f.native_rows]
     if not fasts:
         return []
@@ -359,9 +359,9 @@ def detach(fasts: list[LeanLayer]) -> None:
 
 def stack(fasts: Sequence[LeanLayer], table: KernelTable,
           form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
-    """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (NativeLayer's forms) over
-    copies of its weights (the kernel table's, shared with the products' kernels where they are the same): built and
-    checked once per form, and again if a weight changed."""
+    """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (NativeLayer's
+    forms) over copies of its weights (the kernel table's, shared with the products' kernels where they are the same):
+    built and checked once per form, and again if a weight changed."""
     out = {}
     for fast in fasts:
         form = form_of(fast)
