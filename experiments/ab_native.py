@@ -1,11 +1,15 @@
-"""A/B the native packed product (specdec/sampling/smallm.c) against its source at another git revision, in one process:
-one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then the lm_head), the
-packed kernel for all, the library built now (A) and from REV (B), interleaved, per row count. A kernel change is
-measured as a ratio on one machine state, with the outputs compared.
+"""A/B the native library (specdec/sampling/smallm.c and layer.c) against its sources at another git revision, in one
+process, the library built now (A) and from REV (B), interleaved, per row count. A kernel change is measured as a ratio
+on one machine state, with the outputs compared.
 
-    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1            # the packed products
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --forward  # the sampler's verify forward
 
-Prints ms per pass (median of the rounds) for both and the largest output difference relative to the largest output."""
+Without --forward: one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then
+the lm_head), the float32 packed kernel for all; ms per pass and the largest output difference relative to the largest
+output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt as the sampler runs it
+(measured kernels, native layers, compact weights, lm_head included), each library driving every native call; ms per
+forward and the ratio B / A (both libraries drive the same layer structs: REV's layer.c must hold them alike)."""
 
 from __future__ import annotations
 
@@ -25,42 +29,94 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.base import load_base  # noqa: E402
 from specdec.sampling import native  # noqa: E402
-from specdec.sampling.kernels import cpu_model  # noqa: E402
-from specdec.sampling.lean import decode_linears  # noqa: E402
+from specdec.sampling.context import SamplingContext  # noqa: E402
+from specdec.sampling.cost import WARMUP  # noqa: E402
+from specdec.sampling.kernels import cpu_model, measured_kernels  # noqa: E402
+from specdec.sampling.lean import decode_linears, lean_layers  # noqa: E402
+
 
 
 def library_at(rev: str, tmp: Path):
-    """smallm.c as it was at git revision `rev`, compiled with the first flag set that builds (as native.py does)."""
-    source = subprocess.run(["git", "show", f"{rev}:specdec/sampling/smallm.c"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    (tmp / "smallm.c").write_text(source)
+    """smallm.c and layer.c as they were at git revision `rev` (layer.c where it existed), compiled with the first flag
+    set that builds (as native.py does)."""
+    sources = []
+    for name in ("smallm.c", "layer.c"):
+        shown = subprocess.run(["git", "show", f"{rev}:specdec/sampling/{name}"], cwd=ROOT, capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            (tmp / name).write_text(shown.stdout)
+            sources.append(tmp / name)
     compiler = native.find_compiler()
     for flags in native.FLAGS if compiler else ():
-        if native.compile_library(compiler, flags, [tmp / "smallm.c"], tmp / "smallm.so"):
+        if native.compile_library(compiler, flags, sources, tmp / "smallm.so"):
             return native.open_library(tmp / "smallm.so")
     raise RuntimeError(f"smallm.c at {rev} does not compile here")
 
 
 @contextlib.contextmanager
-def using(lib):
-    """native's products through `lib` for the duration (packing included: its pack width may differ)."""
-    before = native._library
+def using(lib, layers=()):
+    """native's products through `lib` for the duration (packing included: its pack width may differ), and the native
+    layers `layers` (NativeLayer) too."""
+    before, held = native._library, [layer.lib for layer in layers]
     native._library = lambda: lib
+    for layer in layers:
+        layer.lib = lib
     try:
         yield
     finally:
         native._library = before
+        for layer, was in zip(layers, held):
+            layer.lib = was
+
+
+def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
+    """{(library, n): [ms]} of the sampler's verify forward over n chain tokens, the libraries interleaved."""
+    with torch.no_grad(), measured_kernels(base):
+        layers = {id(l): l for f in lean_layers(base) for l in f.native_rows if l is not None}.values()
+        ctx = SamplingContext(base, 1, 128 + max(rows) + 1, lean=True)
+        ctx.commit_layout(128)
+        ctx.base_forward(torch.randint(0, base.vocab_size, (1, 128)))
+        ctx.commit(torch.tensor([128]), [128])
+        times = {(name, n): [] for name in libs for n in rows}
+        for rnd in range(rounds + WARMUP):
+            for n in rows:
+                tokens = torch.randint(0, base.vocab_size, (1, n))
+                for name, lib in libs.items():
+                    with using(lib, layers):
+                        ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+                        start = time.perf_counter()
+                        hidden, _ = ctx.base_forward(tokens)
+                        base.lm_head(hidden)
+                        if rnd >= WARMUP:
+                            times[(name, n)].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default="HEAD~1", help="the git revision of smallm.c to compare against")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 5, 8, 12])
+    ap.add_argument("--rows", type=int, nargs="+", help="row counts (default 1 3 5 8 12; with --forward 1 5 9)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--forward", action="store_true", help="time the sampler's verify forward instead of the products")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_base(device="cpu")
+    if args.forward:
+        rows = args.rows or [1, 5, 9]
+        with tempfile.TemporaryDirectory() as tmp:
+            libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
+            times = forward_ab(base, libs, rows, max(args.rounds, 20))
+        print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after 128 (measured kernels, "
+              f"native layers, compact weights, lm_head), ms (median of {max(args.rounds, 20)} interleaved rounds)")
+        print("| native library | " + " | ".join(f"n = {n}" for n in rows) + " |")
+        print("|---|" + "---|" * len(rows))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name in libs:
+            print(f"| {name} | " + " | ".join(f"{med[(name, n)]:.2f}" for n in rows) + " |")
+        print(f"| {args.rev} / now | " + " | ".join(f"{med[(args.rev, n)] / med[('now', n)]:.3f}" for n in rows) + " |")
+        return
+    args.rows = args.rows or [1, 3, 5, 8, 12]
     weights = [l.weight.detach() for l in decode_linears(base.model.model)] + [base.lm_head.weight.detach()]
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
