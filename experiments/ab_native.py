@@ -81,7 +81,8 @@ def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
         for rnd in range(rounds + WARMUP):
             for n in rows:
                 tokens = torch.randint(0, base.vocab_size, (1, n))
-                for name, lib in libs.items():
+                order = list(libs.items())
+                for name, lib in order[::-1] if rnd % 2 else order:  # each goes first every other round
                     with using(lib, layers):
                         ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                         start = time.perf_counter()
@@ -94,21 +95,21 @@ def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rev", default="HEAD~1", help="the git revision of smallm.c to compare against")
+    ap.add_argument("--rev", default="HEAD~1", help="the git revision of the native sources to compare against")
     ap.add_argument("--rows", type=int, nargs="+", help="row counts (default 1 3 5 8 12; with --forward 1 5 9)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; with --forward 20)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", action="store_true", help="time the sampler's verify forward instead of the products")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_base(device="cpu")
     if args.forward:
-        rows = args.rows or [1, 5, 9]
+        rows, rounds = args.rows or [1, 5, 9], args.rounds or 20
         with tempfile.TemporaryDirectory() as tmp:
             libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
-            times = forward_ab(base, libs, rows, max(args.rounds, 20))
+            times = forward_ab(base, libs, rows, rounds)
         print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after 128 (measured kernels, "
-              f"native layers, compact weights, lm_head), ms (median of {max(args.rounds, 20)} interleaved rounds)")
+              f"native layers, compact weights, lm_head), ms (median of {rounds} interleaved rounds)")
         print("| native library | " + " | ".join(f"n = {n}" for n in rows) + " |")
         print("|---|" + "---|" * len(rows))
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -116,7 +117,7 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(f"{med[(name, n)]:.2f}" for n in rows) + " |")
         print(f"| {args.rev} / now | " + " | ".join(f"{med[(args.rev, n)] / med[('now', n)]:.3f}" for n in rows) + " |")
         return
-    args.rows = args.rows or [1, 3, 5, 8, 12]
+    args.rows, args.rounds = args.rows or [1, 3, 5, 8, 12], args.rounds or 5
     weights = [l.weight.detach() for l in decode_linears(base.model.model)] + [base.lm_head.weight.detach()]
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
