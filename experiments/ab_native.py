@@ -1,6 +1,6 @@
 """A/B the native library (specdec/sampling/smallm.c and layer.c) against its sources at another git revision, in one
-process, the library built now (A) and from REV (B), interleaved, per row count. A kernel change is measured as a ratio
-on one machine state, with the outputs compared.
+process, the library built now (A) and from REV (B), interleaved per row count, each first in every other round (one that
+always went first read slower). A kernel change is measured as a ratio on one machine state.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1            # the packed products
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --forward  # the sampler's verify forward
@@ -127,10 +127,11 @@ def main() -> None:
                 packed[name] = [native.pack(w) for w in weights]
         times = {(name, m): [] for name in libs for m in args.rows}
         outs = {}
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
             for m in args.rows:
                 xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-                for name, lib in libs.items():  # interleaved: both see the same machine state
+                order = list(libs.items())
+                for name, lib in order[::-1] if rnd % 2 else order:  # interleaved: both see the same machine state
                     with using(lib):
                         start = time.perf_counter()
                         outs[name] = [native.packed_gemm(xs[w.shape[1]], p) for w, p in zip(weights, packed[name])]
