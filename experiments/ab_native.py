@@ -69,6 +69,12 @@ def using(lib, layers=()):
             layer.lib = was
 
 
+def alternating(libs: dict, rnd: int) -> list:
+    """The (name, library) pairs of round `rnd`: each goes first every other round (one always first read slower)."""
+    order = list(libs.items())
+    return order[::-1] if rnd % 2 else order
+
+
 def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
     """{(library, n): [ms]} of the sampler's verify forward over n chain tokens, the libraries interleaved."""
     with torch.no_grad(), measured_kernels(base):
@@ -81,8 +87,7 @@ def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
         for rnd in range(rounds + WARMUP):
             for n in rows:
                 tokens = torch.randint(0, base.vocab_size, (1, n))
-                order = list(libs.items())
-                for name, lib in order[::-1] if rnd % 2 else order:  # each goes first every other round
+                for name, lib in alternating(libs, rnd):
                     with using(lib, layers):
                         ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                         start = time.perf_counter()
@@ -130,8 +135,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for m in args.rows:
                 xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-                order = list(libs.items())
-                for name, lib in order[::-1] if rnd % 2 else order:  # interleaved: both see the same machine state
+                for name, lib in alternating(libs, rnd):  # interleaved: both see the same machine state
                     with using(lib):
                         start = time.perf_counter()
                         outs[name] = [native.packed_gemm(xs[w.shape[1]], p) for w, p in zip(weights, packed[name])]
