@@ -8,11 +8,12 @@
 #          evaluated as make demo does (a 10-node dynamic tree with and without n-gram lookup, lookup alone, HF
 #          generate), then the same heads as the tree sized by the verify cost (dynamic_by_cost)
 #   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 and a dynamic tree of
-#          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op)
+#          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op); profile: where that drafter's round
+#          of γ = 4 spends its time on the GPU (experiments/profile_round.py --device cuda)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, drafter_eager, prophet)
+# of them and drafter, drafter_eager, profile, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed.
 set -u
@@ -69,6 +70,9 @@ for s in ${STEPS:-tests bench demo}; do
       step drafter_chain_eager "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler.gamma=4 sampler.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
         hydra.run.dir="$out/drafter_chain_eager" ;;
+    profile)
+      step profile "$py" experiments/profile_round.py "$DRAFTER" --device cuda --gamma 4 --prompts 3 --new 96 \
+        --top 25 ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
       step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
         hydra.run.dir="$work/completions_run"
@@ -82,7 +86,7 @@ for s in ${STEPS:-tests bench demo}; do
       step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
         sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
         wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
-    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, prophet)"; failed=1 ;;
+    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, profile, prophet)"; failed=1 ;;
   esac
 done
 exit $failed

@@ -6,7 +6,10 @@
 For a few HumanEval prompts (T = 0, chain γ, the measured kernels): the median verify and draft time per round, and
 v = verify / AR step measured in decode (bench_ar.py's verify-cost curve times a bare forward between other
 forwards); then torch.profiler over one prompt each, the ops with the most self CPU time per round. It answers
-"is it the GEMMs or the framework" for this machine, and how a verify of γ+1 tokens compares with an AR step."""
+"is it the GEMMs or the framework" for this machine, and how a verify of γ+1 tokens compares with an AR step.
+
+    python3 experiments/profile_round.py <drafter> --device cuda   # on a GPU: the sampler's default CUDA graphs, and
+                                                                   # each op's GPU time beside its CPU time"""
 
 from __future__ import annotations
 
@@ -34,31 +37,37 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--top", type=int, default=15, help="ops listed per profile")
     ap.add_argument("--compare-kernels", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the table then lists GPU time too)")
     args = ap.parse_args()
-    base = load_base(device="cpu")
+    base = load_base(device=args.device)
+    gpu = base.device.type == "cuda"
     drafter = load_drafter(args.drafter, base)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts + 1)]
     ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, gamma=args.gamma)
     generate(base, prompts[:1], None, ar), generate(base, prompts[:1], drafter, spec)  # warm-up (kernel table too)
-    print(f"[{machine_key()}] γ = {args.gamma}; ms per round, medians")
+    where = torch.cuda.get_device_name(base.device) if gpu else machine_key()
+    print(f"[{where}] γ = {args.gamma}; ms per round, medians")
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     for p in prompts[1:]:  # one prompt at a time, AR and the drafter back to back: drift hits both alike
         a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
         tau = (sum(r.accepted[0]) + len(r.accepted[0])) / len(r.accepted[0])
         print(f"AR step {ms(a.step_verify_s):.1f} | drafter: verify {ms(r.step_verify_s):.1f} "
               f"(v = {statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s):.2f}), "
-              f"draft {ms(r.step_draft_s):.1f}, τ {tau:.2f}")
+              f"draft {ms(r.step_draft_s):.1f}, overhead {ms(r.step_overhead_s):.1f} (AR {ms(a.step_overhead_s):.1f}), "
+              f"τ {tau:.2f}")
     if args.compare_kernels:
         compare_kernels(base, drafter, prompts[1:], ar, spec)
         return
     for name, d, cfg in (("AR", None, ar), ("drafter", drafter, spec)):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
             r = generate(base, prompts[1:2], d, cfg)
         n = len(r.step_verify_s)
-        print(f"\n{name}: {n} rounds, {1e3 * (r.total_s - r.ttft_s) / n:.1f} ms a round; self CPU time per round:")
+        print(f"\n{name}: {n} rounds, {1e3 * (r.total_s - r.ttft_s) / n:.1f} ms a round; self CPU time per round"
+              + (" (and self GPU time)" if gpu else "") + ":")
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]:
-            print(f"  {e.key[:44]:44s} {e.self_cpu_time_total / 1e3 / n:7.2f} ms  {e.count / n:7.1f} calls")
+            on_gpu = f"  GPU {e.self_device_time_total / 1e3 / n:6.2f} ms" if gpu else ""
+            print(f"  {e.key[:44]:44s} {e.self_cpu_time_total / 1e3 / n:7.2f} ms  {e.count / n:7.1f} calls{on_gpu}")
 
 
 def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
