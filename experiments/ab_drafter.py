@@ -95,7 +95,8 @@ def main() -> None:
                 tot["verify_s"] += sum(r.step_verify_s)
                 outputs[name].append(r.tokens[0, : r.num_generated[0]].tolist())
     print(f"{args.drafter}, chain γ={args.gamma}, {args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, "
-          f"{args.passes} passes · cpu {cpu_model()}, {torch.get_num_threads()} threads\n")
+          f"{args.passes} passes · " + (torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else
+                                          f"cpu {cpu_model()}, {torch.get_num_threads()} threads") + "\n")
     print("| variant | tok/s | × AR (ours) | τ | draft ms / round | verify ms / round | output = AR's |")
     print("|---|---|---|---|---|---|---|")
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["s"]

@@ -17,7 +17,7 @@ from specdec.base import Base, tiny_base
 from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
-from specdec.sampling import graphs
+from specdec.sampling import draft_graph, graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
 from test_sampling_decode import (NEW, TREE, assert_family_lossless, cfg, drafter_configs,  # noqa: F401
@@ -77,10 +77,15 @@ def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, row
     on = generate(base, prompts[:rows], drafter, cfg(**kw))
     off = generate(base, prompts[:rows], drafter, cfg(cuda_graphs=False, **kw))
     assert on.tokens.tolist() == off.tokens.tolist() == reference(base, prompts[:rows])
+    eager_drafts = generate(base, prompts[:rows], drafter, cfg(cuda_graph_draft=False, **kw))
+    assert on.accepted == eager_drafts.accepted  # a whole draft replayed (chain, static tree) drafts the eager tokens
     recorded = {p.store: p.graphs for p in graphs.pools(base) if p.graphs}
     assert set(recorded) == ({"base", "prophet"} if kw else {"base"})
     assert all(g.graph is not None for found in recorded.values() for g in found.values())
     assert sum(p.captures for p in graphs.pools(base)) == sum(len(g) for g in recorded.values())
+    drafts = draft_graph.recorded(drafter) if drafter is not None else []
+    assert len(drafts) == (1 if kw and kw.get("tree") != "dynamic" else 0)
+    assert all(d.graph is not None for d in drafts)
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])

@@ -15,7 +15,7 @@ import torch
 from conftest import prefill_and_verify
 from sampling_stubs import Oracle
 from specdec.base import tiny_base
-from specdec.sampling import decode, graphs
+from specdec.sampling import decode, draft_graph, graphs
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.rotary import RotaryTable
 from test_sampling_decode import (TREE, assert_family_lossless, cfg, drafter_configs, family_drafter,  # noqa: F401
@@ -76,6 +76,30 @@ def test_every_drafter_family_is_greedy_identical(base, prompts, graphs_on, path
     """Drafters' own layers (prophet's blocks, an early exit's base layers and head) run through graphs too."""
     assert_family_lossless(base, prompts, family_drafter(base, path))
     assert recorded(base)["base"] >= 1
+
+
+@pytest.mark.parametrize("path", drafter_configs(), ids=lambda p: p.stem)
+def test_whole_drafts_replay_the_eager_drafts(base, prompts, graphs_on, path):
+    """A family that declares graph_draft drafts its greedy chains and static trees through draft_graph (recorded
+    once per tree, replayed by a later decode); the drafts are the eager ones: every round accepts as many tokens.
+    (Greedy identity alone would not show it: a wrong draft is rejected, and the tokens stay right.)"""
+    drafter = family_drafter(base, path)
+    depth = min(3, drafter.max_depth or 3)
+    ref = reference(base, prompts)
+    for kw in (dict(gamma=depth), dict(tree="static", paths=[p[:depth] for p in TREE]), dict(gamma=depth)):
+        whole = decode.generate(base, prompts, drafter, cfg(**kw))
+        eager = decode.generate(base, prompts, drafter, cfg(cuda_graph_draft=False, **kw))
+        assert whole.tokens.tolist() == eager.tokens.tolist() == ref
+        assert whole.accepted == eager.accepted
+    assert len(draft_graph.recorded(drafter)) == (2 if drafter.graph_draft else 0)  # the chain's, the tree's
+
+
+def test_sampled_and_adaptive_drafts_run_eagerly(base, prompts, graphs_on):
+    drafter = family_drafter(base, next(p for p in drafter_configs() if p.stem == "prophet"))
+    decode.generate(base, prompts, drafter, cfg(gamma=3, temperature=1.0), torch.Generator().manual_seed(0))
+    decode.generate(base, prompts, drafter, cfg(gamma=3, adaptive_threshold=0.5))
+    decode.generate(base, prompts, drafter, cfg(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6))
+    assert draft_graph.recorded(drafter) == []
 
 
 def decode_step(ctx: SamplingContext) -> None:

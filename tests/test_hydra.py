@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from specdec.drafters.hydra import Hydra
 from specdec.sampling.decode import SamplerConfig, generate
 
 T = 9
+
+HOST = SimpleNamespace(on_device=lambda t: t)  # expand's context where nothing leaves the CPU
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +116,10 @@ def test_sampling_matches_training_along_a_tree(base):
     # Tree: root -> {a = x_{t+2}, b = other}; a -> {x_{t+3}}, b -> {c}. Node indices in registration order.
     other = (ids[:, t + 2] + 5) % base.vocab_size
     c = (ids[:, t + 3] + 11) % base.vocab_size
-    got = [d.expand(state, None, ids[:, t + 1 : t + 2], torch.tensor([-1]), 0, torch.tensor([0]))]
-    got.append(d.expand(state, None, torch.stack([ids[:, t + 2], other], 1), torch.tensor([0, 0]), 1,
+    got = [d.expand(state, HOST, ids[:, t + 1 : t + 2], torch.tensor([-1]), 0, torch.tensor([0]))]
+    got.append(d.expand(state, HOST, torch.stack([ids[:, t + 2], other], 1), torch.tensor([0, 0]), 1,
                         torch.tensor([1, 2])))
-    got.append(d.expand(state, None, torch.stack([ids[:, t + 3], c], 1), torch.tensor([1, 2]), 2,
+    got.append(d.expand(state, HOST, torch.stack([ids[:, t + 3], c], 1), torch.tensor([1, 2]), 2,
                         torch.tensor([3, 4])))
 
     def train_logits(seq: torch.Tensor) -> torch.Tensor:  # [B, T, K, V] with base features fixed
@@ -131,7 +135,7 @@ def test_sampling_matches_training_along_a_tree(base):
     torch.testing.assert_close(got[2][:, 0], main[:, t, 2])
     torch.testing.assert_close(got[2][:, 1], branch[:, t, 2])
     with pytest.raises(ValueError):
-        d.expand(state, None, ids[:, :1], torch.tensor([3]), k_max, torch.tensor([5]))
+        d.expand(state, HOST, ids[:, :1], torch.tensor([3]), k_max, torch.tensor([5]))
 
 
 def test_explicit_node_indices_with_unexpanded_leaves(base):
@@ -144,15 +148,15 @@ def test_explicit_node_indices_with_unexpanded_leaves(base):
     d.observe(state, None, Features(hidden={LAST: feats.hidden[LAST][:, : t + 1]}, logits=feats.logits),
               ids[:, : t + 1], torch.tensor([t + 1, t + 1]), ids[:, t + 1])
     other = (ids[:, t + 2] + 5) % base.vocab_size
-    d.expand(state, None, ids[:, t + 1 : t + 2], torch.tensor([-1]), 0, nodes=torch.tensor([0]))
+    d.expand(state, HOST, ids[:, t + 1 : t + 2], torch.tensor([-1]), 0, nodes=torch.tensor([0]))
     # nodes 1 (leaf, never expanded) and 2 = other, 3 = x_{t+2} under the root; expand only 3 and 2, then 5 under 2.
-    d.expand(state, None, torch.stack([ids[:, t + 2], other], 1), torch.tensor([0, 0]), 1, nodes=torch.tensor([3, 2]))
-    got = d.expand(state, None, ids[:, t + 3 : t + 4], torch.tensor([2]), 2, nodes=torch.tensor([5]))
+    d.expand(state, HOST, torch.stack([ids[:, t + 2], other], 1), torch.tensor([0, 0]), 1, nodes=torch.tensor([3, 2]))
+    got = d.expand(state, HOST, ids[:, t + 3 : t + 4], torch.tensor([2]), 2, nodes=torch.tensor([5]))
     alt = ids.clone()
     alt[:, t + 2] = other
     torch.testing.assert_close(got[:, 0], d.forward_train(feats, alt).logits[:, t, 2])
     with pytest.raises(IndexError):  # node 7 was never expanded: no silent zero path
-        d.expand(state, None, ids[:, :1], torch.tensor([7]), 2, torch.tensor([8]))
+        d.expand(state, HOST, ids[:, :1], torch.tensor([7]), 2, torch.tensor([8]))
 
 
 # -- through the sampler's public `generate` ----------------------------------------------------------------------

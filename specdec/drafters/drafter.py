@@ -50,6 +50,11 @@ class DraftContext(Protocol):
         next round's root, in the same pass, asks for one more: slot L_b + n_new_b is then index n_new_b of row b."""
         ...
 
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (a tree's node indices) on the sampler's device, copied once per distinct value: a
+        copy from host memory makes the host wait for the GPU's queue, and cannot be recorded in a CUDA graph."""
+        ...
+
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
         """Run a whole HF decoder stack (e.g. a `LlamaModel`: its own embeddings, rotary and final norm, so any
         architecture works) over input_ids [B, m] on the drafter-private `store`, and return its last hidden state
@@ -70,6 +75,10 @@ class Drafter(nn.Module):
     head_names: list[str]  # one metric name per training entry, e.g. ["head1", "head2"]
     aux_metric_names: tuple[str, ...] = ()  # keys of TrainOutput.aux_metrics (logged as train/<name>, val/<name>)
     max_depth: int | None = None  # deepest draft depth it supports (Medusa: num_heads); None = unbounded
+    # Its `expand` is device ops alone for a given tree: no host reads of device values, host tensors reach the device
+    # only through ctx.on_device, and its round state is tensors and NodeTables. Then a greedy static-tree draft may be
+    # recorded whole as one CUDA graph (specdec/sampling/draft_graph.py).
+    graph_draft: bool = False
 
     def __init__(self, base: Base, **hparams: Any):
         super().__init__()
@@ -220,21 +229,21 @@ class NodeTable:
         self.rows: torch.Tensor | None = None
         self.count = 0  # highest node index stored + 1
 
-    def get(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows at node indices index [N] -> [B, N, ...]."""
+    def get(self, index: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
+        """Rows at node indices index [N] (host) -> [B, N, ...]."""
         if self.rows is None or int(index.max()) >= self.count:
             raise IndexError(f"node {int(index.max())} was never expanded in this round ({self.count} known)")
-        return self.rows[:, index.to(self.rows.device)]
+        return self.rows[:, ctx.on_device(index)]
 
-    def put(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
-        """Store rows [B, N, ...] at node indices nodes [N]."""
+    def put(self, rows: torch.Tensor, nodes: torch.Tensor, ctx: DraftContext) -> None:
+        """Store rows [B, N, ...] at node indices nodes [N] (host)."""
         need = int(nodes.max()) + 1
         if self.rows is None or self.rows.shape[1] < need:
             grown = rows.new_zeros(rows.shape[0], need, *rows.shape[2:])
             if self.rows is not None:
                 grown[:, : self.rows.shape[1]] = self.rows
             self.rows = grown
-        self.rows[:, nodes.to(rows.device)] = rows
+        self.rows[:, ctx.on_device(nodes)] = rows
         self.count = max(self.count, need)
 
 

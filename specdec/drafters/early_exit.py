@@ -66,6 +66,8 @@ class EarlyExit(Drafter):
     """One training entry per exit layer (a layer sweep trains several at once, each with its own head); the
     sampler drafts with the first exit layer. Every entry predicts token t+1 from the layer-L state at t."""
 
+    graph_draft = True
+
     def __init__(
         self,
         base: Base,

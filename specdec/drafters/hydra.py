@@ -39,6 +39,8 @@ class HydraHead(nn.Module):
 
 
 class Hydra(Drafter):
+    graph_draft = True
+
     def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
                  draft_vocab_size: int | None = None):
         super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head,
@@ -96,9 +98,9 @@ class Hydra(Drafter):
         if depth == 0:
             paths = tokens.new_zeros(b, n, len(self.heads))  # [B, N, K] path tokens, root first; cols > depth unused
         else:
-            paths = state["paths"].get(parents).clone()  # [B, N, K] each parent's path
+            paths = state["paths"].get(parents, ctx).clone()  # [B, N, K] each parent's path
         paths[:, :, depth] = tokens
-        state["paths"].put(paths, nodes)
+        state["paths"].put(paths, nodes, ctx)
         emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
         return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]

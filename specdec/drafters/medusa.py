@@ -26,6 +26,8 @@ class ResBlock(nn.Module):
 
 
 class Medusa(Drafter):
+    graph_draft = True
+
     def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
                  draft_vocab_size: int | None = None):
         super().__init__(base, num_heads=num_heads, num_layers=num_layers, own_lm_head=own_lm_head,

@@ -35,6 +35,7 @@ POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module d
 
 class Prophet(Drafter):
     aux_metric_names = ("feature_loss", "feature_loss_last")
+    graph_draft = True
 
     def __init__(
         self,
@@ -218,10 +219,10 @@ class Prophet(Drafter):
             out = state["root"]  # [B, 1, H]: the root entry, run (and its slot written) by `observe`
         else:
             # the parents' predicted features with the nodes' tokens
-            x = self.step_input(state["hats"].get(parents), self.base.embed_tokens(tokens))  # [B, N, H]
+            x = self.step_input(state["hats"].get(parents, ctx), self.base.embed_tokens(tokens))  # [B, N, H]
             out = ctx.run_layers(self.blocks, x, STORE, POSITION_OFFSET)
         hat, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
-        state["hats"].put(hat, nodes)
+        state["hats"].put(hat, nodes, ctx)
         return logits
 
 

@@ -11,7 +11,7 @@ import torch
 
 from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
-from specdec.sampling import verify
+from specdec.sampling import draft_graph, verify
 from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import verify_costs, wall_clock
@@ -55,6 +55,9 @@ class SamplerConfig:
     # CUDA: forwards of up to 64 tokens (the base's decode steps and verifies, drafters' own layers) replayed from CUDA
     # graphs recorded on first use (graphs.py); False: launched op by op
     cuda_graphs: bool = True
+    # CUDA graphs, T = 0, a chain or static tree: a drafter that declares `graph_draft` drafts a round as one recorded
+    # graph (draft_graph.py), not launch by launch around its graphed layers
+    cuda_graph_draft: bool = True
     # CPU, measured kernels, T = 0: the base's argmax from a bfloat16 copy of its lm_head with the rows within the error
     # bound recomputed exactly (argmax.py: the exact argmax from half the lm_head's bytes), where that measures faster
     # than the lm_head's logits; False: always the logits
@@ -206,6 +209,8 @@ def _draft(drafter: Drafter, state, ctx: SamplingContext, root: torch.Tensor, cf
     if max(len(p) for p in paths) > limit:
         raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
     sampled = cfg.tree == "chain" and cfg.temperature > 0
+    if ctx.graphs and cfg.cuda_graph_draft and drafter.graph_draft and not sampled and length is None:
+        return draft_graph.draft(drafter, state, ctx, root, paths)  # the whole draft replayed from one graph
     draw = sample_chain_fn(cfg.temperature, cfg.top_k, cfg.top_p, uniform) if sampled else None
     return draft_static(drafter, state, ctx, root, paths, draw, length.keep_going if length is not None else None)
 

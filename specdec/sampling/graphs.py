@@ -110,6 +110,13 @@ class GraphPool:
         n = x.shape[1]
         key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset)
         graph = self.graphs.get(key)
+        if self.record and torch.cuda.is_current_stream_capturing():
+            # inside a larger recording (a whole draft, draft_graph.py): its ops join that graph, a graph of its own
+            # neither replayed nor recorded there
+            graph = graph or _Graph(self, fast, x, embed, key[4], offset)
+            graph.inputs(x, length, rel, depth, visible)
+            out, kept = graph._run()
+            return out.clone(), {i: h.clone() for i, h in kept.items()}
         new = graph is None
         if new:
             t0 = time.perf_counter()
