@@ -7,7 +7,7 @@ always went first read slower). A kernel change is measured as a ratio on one ma
 
 Without --forward: one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then
 the lm_head), the float32 packed kernel for all; ms per pass and the largest output difference relative to the largest
-output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt as the sampler runs it
+output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt (--prompt) as the sampler runs it
 (measured kernels, native layers, compact weights, lm_head included), each library driving every native call; ms per
 forward and the ratio B / A (both libraries drive the same layer structs: REV's layer.c must hold them alike)."""
 
@@ -75,14 +75,15 @@ def alternating(libs: dict, rnd: int) -> list:
     return order[::-1] if rnd % 2 else order
 
 
-def forward_ab(base, libs: dict, rows: list[int], rounds: int) -> dict:
-    """{(library, n): [ms]} of the sampler's verify forward over n chain tokens, the libraries interleaved."""
+def forward_ab(base, libs: dict, rows: list[int], rounds: int, prompt: int = 128) -> dict:
+    """{(library, n): [ms]} of the sampler's verify forward over n chain tokens after `prompt` tokens, the libraries
+    interleaved."""
     with torch.no_grad(), measured_kernels(base):
         layers = {id(l): l for f in lean_layers(base) for l in f.native_rows if l is not None}.values()
-        ctx = SamplingContext(base, 1, 128 + max(rows) + 1, lean=True)
-        ctx.commit_layout(128)
-        ctx.base_forward(torch.randint(0, base.vocab_size, (1, 128)))
-        ctx.commit(torch.tensor([128]), [128])
+        ctx = SamplingContext(base, 1, prompt + max(rows) + 1, lean=True)
+        ctx.commit_layout(prompt)
+        ctx.base_forward(torch.randint(0, base.vocab_size, (1, prompt)))
+        ctx.commit(torch.tensor([prompt]), [prompt])
         times = {(name, n): [] for name in libs for n in rows}
         for rnd in range(rounds + WARMUP):
             for n in rows:
@@ -105,6 +106,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; with --forward 20)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", action="store_true", help="time the sampler's verify forward instead of the products")
+    ap.add_argument("--prompt", type=int, default=128,
+                    help="with --forward: tokens before the verify (the attention's window; HumanEval's decodes reach "
+                         "300-400)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_base(device="cpu")
@@ -112,8 +116,9 @@ def main() -> None:
         rows, rounds = args.rows or [1, 5, 9], args.rounds or 20
         with tempfile.TemporaryDirectory() as tmp:
             libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
-            times = forward_ab(base, libs, rows, rounds)
-        print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after 128 (measured kernels, "
+            times = forward_ab(base, libs, rows, rounds, args.prompt)
+        print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after {args.prompt} (measured "
+              "kernels, "
               f"native layers, compact weights, lm_head), ms (median of {rounds} interleaved rounds)")
         print("| native library | " + " | ".join(f"n = {n}" for n in rows) + " |")
         print("|---|" + "---|" * len(rows))

@@ -16,6 +16,7 @@ from specdec.base import LAST, load_base, tiny_base
 from specdec.drafters.early_exit import EarlyExit
 from specdec.sampling import kernels, native, native_layer
 from specdec.sampling.compact import Compact
+from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.kernels import BF16, CANDIDATES, KernelTable, measured_kernels
 from specdec.sampling.lean import lean, lean_layers
@@ -96,6 +97,33 @@ def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, mo
     for layer in (0, 2, LAST):  # the inputs the layers were given are kept as they were (written in place: a copy)
         torch.testing.assert_close(feats[layer], ref_feats[layer], rtol=1e-5, atol=1e-5)
     assert all(fast.native is None for fast in lean_layers(base))  # detached on leaving measured_kernels
+
+
+@needs_compiler
+@pytest.mark.parametrize("nodes", [5, 9, 13])
+def test_a_tree_verify_gives_the_lean_numbers(base, forced, nodes):
+    """A verify of a tree of several nodes through the native layers: every query under its own ancestors' mask over
+    the round's slots, the lean numbers."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree
+    visible = torch.zeros(nodes, nodes, dtype=torch.bool)
+    depth = torch.zeros(nodes, dtype=torch.long)
+    for i, p in enumerate(parents):
+        visible[i, i] = True
+        if p >= 0:
+            visible[i] |= visible[p]
+            depth[i] = depth[p] + 1
+    prompt = torch.arange(20, 41)[None]
+    outs = []
+    for native_on in (False, True):
+        with measured_kernels(base, table=table()) if native_on else contextlib.nullcontext(), torch.no_grad():
+            ctx = SamplingContext(base, 1, 64)
+            ctx.commit_layout(prompt.shape[1])
+            ctx.base_forward(prompt)
+            ctx.commit(torch.tensor([prompt.shape[1]]), [prompt.shape[1]])
+            ctx.tree_layout(torch.arange(nodes), depth, visible)
+            outs.append(ctx.base_forward(torch.arange(3, 3 + nodes)[None])[0])
+    assert forced and all(forced)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
 @needs_compiler
