@@ -22,7 +22,6 @@ code runs eagerly each round (that is how the tests check it without a GPU)."""
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any, Sequence
 
@@ -89,11 +88,8 @@ class DraftGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[Round, dict[str, Any]] | None = None
         self.keep: list[torch.Tensor] = []
-        self.capture_s = 0.0
-        if root.device.type == "cuda":
-            t0 = time.perf_counter()
+        if root.device.type == "cuda":  # inside the round that first needs it: its time counts in that round's drafting
             self._capture(ctx)
-            self.capture_s = time.perf_counter() - t0
 
     def _run(self, ctx: SamplingContext) -> tuple[Round, dict[str, Any]]:
         """draft_static over the static inputs, with the context's lengths read from the static buffer."""
