@@ -7,9 +7,9 @@ always went first read slower). A kernel change is measured as a ratio on one ma
 
 Without --forward: one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then
 the lm_head), the float32 packed kernel for all; ms per pass and the largest output difference relative to the largest
-output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt (--prompt) as the sampler runs it
-(measured kernels, native layers, compact weights, lm_head included), each library driving every native call; ms per
-forward and the ratio B / A (both libraries drive the same layer structs: REV's layer.c must hold them alike)."""
+output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt (--prompt) as the sampler
+runs it (measured kernels, native layers, compact weights, lm_head included), each library driving every native call;
+ms per forward and the ratio B / A (both libraries drive the same layer structs: REV's layer.c must hold them alike)."""
 
 from __future__ import annotations
 
@@ -117,9 +117,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
             times = forward_ab(base, libs, rows, rounds, args.prompt)
-        print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after {args.prompt} (measured "
-              "kernels, "
-              f"native layers, compact weights, lm_head), ms (median of {rounds} interleaved rounds)")
+        print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after {args.prompt} "
+              f"(measured kernels, native layers, compact weights, lm_head), ms (median of {rounds} interleaved rounds)")
         print("| native library | " + " | ".join(f"n = {n}" for n in rows) + " |")
         print("|---|" + "---|" * len(rows))
         med = {k: statistics.median(v) for k, v in times.items()}
