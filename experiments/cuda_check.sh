@@ -10,11 +10,13 @@
 #   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 and a dynamic tree of
 #          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op); profile: where that drafter's round
 #          of γ = 4 spends its time on the GPU (experiments/profile_round.py --device cuda); ab_draft: that drafter's
-#          chain with its whole draft replayed from one CUDA graph against drafted launch by launch, interleaved
+#          chain with its whole draft replayed from one CUDA graph against drafted launch by launch, interleaved;
+#          drafter_static: that drafter on the static tree of configs/sampler/static_tree.yaml (9 nodes, depth 4), the
+#          other tree a whole-draft graph records
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, drafter_eager, profile, ab_draft, prophet)
+# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed.
 set -u
@@ -71,6 +73,9 @@ for s in ${STEPS:-tests bench demo}; do
       step drafter_chain_eager "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler.gamma=4 sampler.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
         hydra.run.dir="$out/drafter_chain_eager" ;;
+    drafter_static)
+      step drafter_static "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
+        sampler=static_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/drafter_static" ;;
     ab_draft)
       step ab_draft "$py" experiments/ab_drafter.py "$DRAFTER" --set cuda_graph_draft=false --gamma 4 --prompts 6 \
         --max-new-tokens 128 --passes 2 ;;
@@ -90,7 +95,7 @@ for s in ${STEPS:-tests bench demo}; do
       step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
         sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
         wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
-    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, profile, ab_draft, prophet)"; failed=1 ;;
+    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, drafter_static, profile, ab_draft, prophet)"; failed=1 ;;
   esac
 done
 exit $failed
