@@ -95,6 +95,10 @@ class SamplingContext:
             have = self._copies[key] = t.to(dev)
         return have
 
+    def device_copies(self) -> list[torch.Tensor]:
+        """The device copies `on_device` has made (a recorded graph that read them keeps them alive)."""
+        return list(self._copies.values())
+
     @property
     def mask(self) -> torch.Tensor | None:
         """The current layout's additive mask [B, 1, n, W], or None when nothing needs masking. Made on first use: a

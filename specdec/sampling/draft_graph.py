@@ -114,7 +114,7 @@ class DraftGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self._run(ctx)
-        self.keep = list(ctx._copies.values())  # the index tensors it read: never freed while it lives
+        self.keep = ctx.device_copies()  # the index tensors it read: never freed while it lives
 
     def __call__(self, ctx: SamplingContext, root: torch.Tensor, state: dict[str, Any]) -> Round:
         self.length.copy_(ctx.length)

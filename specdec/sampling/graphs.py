@@ -110,23 +110,21 @@ class GraphPool:
         n = x.shape[1]
         key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset)
         graph = self.graphs.get(key)
-        if self.record and torch.cuda.is_current_stream_capturing():
-            # inside a larger recording (a whole draft, draft_graph.py): its ops join that graph, a graph of its own
-            # neither replayed nor recorded there
-            graph = graph or _Graph(self, fast, x, embed, key[4], offset)
-            graph.inputs(x, length, rel, depth, visible)
-            out, kept = graph._run()
-            return out.clone(), {i: h.clone() for i, h in kept.items()}
-        new = graph is None
-        if new:
-            t0 = time.perf_counter()
-            graph = self.graphs[key] = _Graph(self, fast, x, embed, key[4], offset)
+        # inside a larger recording (a whole draft, draft_graph.py) the ops join that graph: no graph of their own is
+        # recorded or replayed there
+        inline = self.record and torch.cuda.is_current_stream_capturing()
+        new = graph is None and not inline
+        t0 = time.perf_counter()
+        if graph is None:
+            graph = _Graph(self, fast, x, embed, key[4], offset)
+            if new:
+                self.graphs[key] = graph
         graph.inputs(x, length, rel, depth, visible)
         if new:
             graph.capture()
             self.capture_s += time.perf_counter() - t0
             self.captures += 1
-        out, kept = graph.replay()
+        out, kept = graph._run() if inline else graph.replay()
         return out.clone(), {i: h.clone() for i, h in kept.items()}
 
     def static_forward(self, fast: Sequence[LeanLayer], x: torch.Tensor, layout: Layout, embed: bool,
