@@ -13,10 +13,12 @@
 #          chain with its whole draft replayed from one CUDA graph against drafted launch by launch, interleaved;
 #          drafter_static: that drafter on the static tree of configs/sampler/static_tree.yaml (9 nodes, depth 4), the
 #          other tree a whole-draft graph records
+#   verify_forms  the kernels of one recorded verify forward at n = 1 and 5, and v(n) with the products and the attention
+#          in other forms (experiments/profile_verify.py)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, prophet)
+# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, verify_forms, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed.
 set -u
@@ -82,6 +84,8 @@ for s in ${STEPS:-tests bench demo}; do
     profile)
       step profile "$py" experiments/profile_round.py "$DRAFTER" --device cuda --gamma 4 --prompts 3 --new 96 \
         --top 25 ;;
+    verify_forms)  # why a verify of a few tokens costs more than a decode step here
+      step verify_forms "$py" experiments/profile_verify.py --device cuda --out "$out/profile_verify" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
       step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
         hydra.run.dir="$work/completions_run"
@@ -95,7 +99,7 @@ for s in ${STEPS:-tests bench demo}; do
       step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
         sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
         wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
-    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, drafter_static, profile, ab_draft, prophet)"; failed=1 ;;
+    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, drafter_static, profile, ab_draft, verify_forms, prophet)"; failed=1 ;;
   esac
 done
 exit $failed
