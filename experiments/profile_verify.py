@@ -14,7 +14,9 @@ and the forward's time with other forms of its two kinds of op (the products and
      mm_t        (W·xᵀ)ᵀ: cuBLAS's other operand order
    and for the attention: sdpa (PyTorch's scaled_dot_product_attention with the additive mask: the memory-efficient
    kernel) against math (the same formula as explicit matmul + softmax). Each form's logits at the largest n are
-   compared with the default's (max |Δ|, fp32 rounding).
+   compared with the default's (max |Δ|, fp32 rounding). Then the sampler's own choice, cuda_kernels=measured
+   (specdec/sampling/cuda_kernels.py: per shape and row count cuBLAS or a Triton small-M kernel, per query count SDPA
+   or matmul + softmax, measured on this GPU), and the kernels of its recorded forward at the same n.
 Writes DIR/profile_verify.json. On a CPU it runs too (no graphs: eager forwards), which is how it is tested."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import graphs  # noqa: E402
+from specdec.sampling import cuda_kernels, graphs  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_times  # noqa: E402
 from specdec.sampling.kernels import machine_key  # noqa: E402
@@ -80,15 +82,13 @@ ATTENTIONS = {"sdpa": _SDPA, "math": math_attention}
 @contextmanager
 def forms(linear: str, attention: str):
     """Patch the product and attention forms in for one measurement; recorded graphs are dropped before and after."""
-    for pool in graphs.pools(BASE):
-        pool.graphs.clear()
+    graphs._POOLS.pop(BASE.model, None)  # fresh pools (a pool's memory is not recorded into again after its graphs go)
     F.linear, F.scaled_dot_product_attention = LINEARS[linear], ATTENTIONS[attention]
     try:
         yield
     finally:
         F.linear, F.scaled_dot_product_attention = _LINEAR, _SDPA
-        for pool in graphs.pools(BASE):
-            pool.graphs.clear()
+        graphs._POOLS.pop(BASE.model, None)
 
 
 @torch.no_grad()
@@ -143,6 +143,15 @@ def kernels(base, n: int, reps: int = 20, prompt_len: int = 128) -> tuple[dict[s
     return {}, "none seen"
 
 
+def row(label: str, times: dict[int, list[float]], ns: list[int], diff: float) -> dict:
+    """One form's line: T_1 and v(n) from medians."""
+    med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    v = {n: round(med[n] / med[1], 3) for n in ns}
+    print(f"  {label} T_1 {med[1] * 1e3:6.2f}  " + "  ".join(f"v({n}) {v[n]:.2f}" for n in ns)
+          + f"  (max |Δ logits| {diff:.1e})", flush=True)
+    return {"t1_ms": round(med[1] * 1e3, 3), "v": v, "max_abs_diff": diff}
+
+
 def kind(name: str) -> str:
     """A kernel's rough kind, for the summary."""
     low = name.lower()
@@ -191,13 +200,23 @@ def main() -> None:
                 continue  # the attention's form once, with the default products
             with forms(linear, attention):
                 diff = float((logits_at(base, max(args.ns)) - ref).abs().max())
-                times = forward_times(base, args.ns, reps=args.reps, cuda_graphs=True)
-            med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-            v = {n: round(med[n] / med[1], 3) for n in args.ns}
-            report["forms"][f"{linear}+{attention}"] = {"t1_ms": round(med[1] * 1e3, 3), "v": v, "max_abs_diff": diff}
-            print(f"  {linear:9s} {attention:5s} T_1 {med[1] * 1e3:6.2f}  " + "  ".join(f"v({n}) {v[n]:.2f}"
-                                                                                  for n in args.ns)
-                  + f"  (max |Δ logits| {diff:.1e})", flush=True)
+                times = forward_times(base, args.ns, reps=args.reps, cuda_graphs=True, cuda_kernels="stock")
+            report["forms"][f"{linear}+{attention}"] = row(f"{linear:9s} {attention:5s}", times, args.ns, diff)
+    with cuda_kernels.measured(base.model) if gpu else nullcontext() as table:  # the sampler's choice on this GPU
+        diff = float((logits_at(base, max(args.ns)) - ref).abs().max())
+        graphs._POOLS.pop(BASE.model, None)
+        times = forward_times(base, args.ns, reps=args.reps, cuda_graphs=True)
+        report["forms"]["measured"] = row("measured       ", times, args.ns, diff)
+        if table is not None:
+            report["measured"] = {"measure_s": round(table.measure_s, 1), "choice": table.choice,
+                                  "attention": table.attention}
+            print(f"  (measured in {table.measure_s:.1f} s: " + "; ".join(
+                f"{s} " + ",".join(f"{n}:{k.removeprefix('triton_')}" for n, k in c.items())
+                for s, c in table.choice.items()) + ")")
+            for n in args.kernels:
+                per, what = kernels(base, n)
+                report.setdefault("kernels_measured_us", {})[n] = per
+                print(f"  measured forms, n = {n} ({what}): {sum(per.values()):.0f} µs of kernels per forward")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_verify.json").write_text(json.dumps(report, indent=1))

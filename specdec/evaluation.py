@@ -106,7 +106,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                                   cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
                                   native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs,
                                   greedy_shortlist=sampler.temperature == 0 and sampler.greedy_shortlist,
-                                  compact_weights=sampler.compact_weights).items():
+                                  compact_weights=sampler.compact_weights,
+                                  cuda_kernels=sampler.cuda_kernels).items():
             cost_times[n].extend(t)
 
     if cost_times:

@@ -17,7 +17,7 @@ from specdec.base import Base, tiny_base
 from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
-from specdec.sampling import draft_graph, graphs
+from specdec.sampling import cuda_kernels, draft_graph, graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
 from test_sampling_decode import (NEW, TREE, assert_family_lossless, cfg, drafter_configs,  # noqa: F401
@@ -86,6 +86,35 @@ def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, row
     drafts = draft_graph.recorded(drafter) if drafter is not None else []
     assert len(drafts) == (1 if kw and kw.get("tree") != "dynamic" else 0)
     assert all(d.graph is not None for d in drafts)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(gamma=4)])
+def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, tmp_path):
+    """The table measured on this GPU (Triton's configurations offered where it imports), then every product forced
+    through a Triton kernel and every attention through matmul + softmax: the tokens of PyTorch's own kernels, through
+    the recorded graphs."""
+    base = tiny_base(device="cuda")
+    drafter = Prophet(base).to(CUDA).eval() if kw else None
+    if drafter is not None:
+        perturb(drafter)
+    stock = generate(base, prompts, drafter, cfg(cuda_kernels="stock", **kw))
+    table = cuda_kernels.CudaTable(CUDA, path=tmp_path / "t.json")
+    with cuda_kernels.measured(base.model, *([drafter] if drafter else []), table=table):
+        pass
+    assert table.choice and table.attention
+    if cuda_kernels.available():
+        assert all("triton_o16_k64" in t for c in table.timings.values() for t in c.values())
+        for shape in table.choice:
+            table.choice[shape] = {r: "triton_o16_k64_s2" for r in table.rows}
+    for g in table.attention:
+        table.attention[g] = {r: "math" for r in table.rows}
+    key = str(base.lm_head.weight.device)
+    cuda_kernels._TABLES[key] = table  # what generate's cuda_kernels=measured uses
+    try:
+        forced = generate(base, prompts, drafter, cfg(**kw))
+    finally:
+        cuda_kernels._TABLES.pop(key)
+    assert forced.tokens.tolist() == stock.tokens.tolist() == reference(base, prompts)
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from specdec.base import Base
+from specdec.sampling.cuda_kernels import measured as cuda_kernels_measured
 from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.kernels import KernelTable, measured_kernels
@@ -27,14 +28,16 @@ WARMUP = 8
 def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
                   cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None,
                   native_layers: bool = True, cuda_graphs: bool = True,
-                  greedy_shortlist: bool = False, compact_weights: bool = True) -> dict[int, float]:
+                  greedy_shortlist: bool = False, compact_weights: bool = True,
+                  cuda_kernels: str = "measured") -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
-    included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`
-    and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`: the kernel
+    included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`,
+    `cuda_kernels` and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`:
+    the kernel
     table, the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy
     machine hits every n alike."""
     times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table, native_layers, cuda_graphs,
-                          greedy_shortlist, compact_weights)
+                          greedy_shortlist, compact_weights, cuda_kernels=cuda_kernels)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -43,16 +46,18 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
                   cpu_kernels: str = "measured", lean: bool = True,
                   table: KernelTable | None = None, native_layers: bool = True,
                   cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                  compact_weights: bool = True, warmup: int = WARMUP) -> dict[int, list[float]]:
+                  compact_weights: bool = True, warmup: int = WARMUP,
+                  cuda_kernels: str = "measured") -> dict[int, list[float]]:
     """`forward_costs`' timings, every one (`reps` per n, after `warmup` passes that are not kept): a caller that
     samples again later, e.g. between an evaluation's prompts, pools them all."""
     dev = base.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     fast = cpu_kernels == "measured" and dev.type == "cpu"
+    gpu = cuda_kernels == "measured" and dev.type == "cuda"
     times: dict[int, list[float]] = {n: [] for n in ns}
     with (measured_kernels(base, table=table, lean=lean, native_layers=native_layers, compact=compact_weights) if fast
-          else nullcontext()):
+          else cuda_kernels_measured(base) if gpu else nullcontext()):
         ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, lean=lean, graphs=cuda_graphs and dev.type == "cuda")
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)
@@ -70,27 +75,28 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     return times
 
 
-# base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights): v(0..n)}: each base's
-# curve, measured once per process
+# base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels): v(0..n)}:
+# each base's curve, measured once per process
 _CURVES: weakref.WeakKeyDictionary[Base, dict[tuple, list[float]]] = weakref.WeakKeyDictionary()
 
 
 def verify_costs(base: Base, n_max: int, cpu_kernels: str = "measured", lean: bool = True,
                  native_layers: bool = True, cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                 compact_weights: bool = True) -> list[float]:
+                 compact_weights: bool = True, cuda_kernels: str = "measured") -> list[float]:
     """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on this machine, measured once per
     process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every 4th beyond, a size
     between two measured ones charged the next measured size up (the curve rises in steps: a new pass over the
     weights every few rows on a CPU)."""
     curves = _CURVES.setdefault(base, {})
-    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights)
+    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels)
     have = curves.get(key)
     if have is not None and len(have) > n_max:
         return have[: n_max + 1]
     grid = sorted({*range(1, min(n_max, 16) + 1), *range(20, n_max + 1, 4), n_max})
     t0 = time.perf_counter()
     costs = forward_costs(base, grid, reps=5, cpu_kernels=cpu_kernels, lean=lean, native_layers=native_layers,
-                          cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist, compact_weights=compact_weights)
+                          cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist, compact_weights=compact_weights,
+                          cuda_kernels=cuda_kernels)
     print(f"[specdec] verify-cost curve v(1..{n_max}) measured in {time.perf_counter() - t0:.1f} s", flush=True)
     v = [0.0] + [costs[min(g for g in grid if g >= n)] / costs[1] for n in range(1, n_max + 1)]
     curves[key] = v

@@ -11,7 +11,7 @@ import torch
 
 from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
-from specdec.sampling import draft_graph, verify
+from specdec.sampling import cuda_kernels, draft_graph, verify
 from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import verify_costs, wall_clock
@@ -58,6 +58,10 @@ class SamplerConfig:
     # CUDA graphs, T = 0, a chain or static tree: a drafter that declares `graph_draft` drafts a round as one recorded
     # graph (draft_graph.py), not launch by launch around its graphed layers
     cuda_graph_draft: bool = True
+    # CUDA: measured = each float32 product of up to 16 rows runs the kernel measured fastest on this GPU for its shape
+    # and row count (cuBLAS or a Triton small-M kernel), and each lean layer's attention the form measured fastest for
+    # its query count (SDPA or matmul + softmax), measured once per GPU (cuda_kernels.py); stock = PyTorch's own
+    cuda_kernels: str = "measured"
     # CPU, measured kernels, T = 0: the base's argmax from a bfloat16 copy of its lm_head with the rows within the error
     # bound recomputed exactly (argmax.py: the exact argmax from half the lm_head's bytes), where that measures faster
     # than the lm_head's logits; False: always the logits
@@ -93,6 +97,8 @@ class SamplerConfig:
             (self.tree in ("chain", "static", "dynamic"), f"tree must be chain, static or dynamic, got {self.tree!r}"),
             (self.acceptance in ("rejection", "typical"), f"acceptance must be rejection or typical, got {self.acceptance!r}"),
             (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
+            (self.cuda_kernels in ("measured", "stock"),
+             f"cuda_kernels must be measured or stock, got {self.cuda_kernels!r}"),
             (self.draft_precision in ("fp32", "bf16", "q8"),
              f"draft_precision must be fp32, bf16 or q8, got {self.draft_precision!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
@@ -307,10 +313,13 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
         rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers,
-                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights)
+                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights,
+                            cfg.cuda_kernels)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
+    gpu = cfg.cuda_kernels == "measured" and base.device.type == "cuda"
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
-                           compact=cfg.compact_weights, q8=cfg.draft_precision == "q8") if fast else nullcontext()):
+                           compact=cfg.compact_weights, q8=cfg.draft_precision == "q8") if fast
+          else cuda_kernels.measured(base, *drafters) if gpu else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 

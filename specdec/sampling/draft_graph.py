@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from specdec.drafters.drafter import Drafter, NodeTable
+from specdec.sampling import cuda_kernels
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.graphs import WARMUP
 from specdec.sampling.trees import Round, draft_static
@@ -48,7 +49,8 @@ def draft(drafter: Drafter, state: dict[str, Any], ctx: SamplingContext, root: t
     if signature is None:
         return draft_static(drafter, state, ctx, root, paths)
     tree = tuple(map(tuple, paths))
-    key = (tree, root.shape[0], tuple(sorted((name, id(pool)) for name, pool in ctx.pools.items())), signature)
+    key = (tree, root.shape[0], tuple(sorted((name, id(pool)) for name, pool in ctx.pools.items())), signature,
+           cuda_kernels.active())
     table = _GRAPHS.setdefault(drafter, {})
     graph = table.get(key)
     if graph is None:

@@ -10,7 +10,8 @@ static form of `SamplingContext.base_forward` / `run_layers`:
   computed in the graph from the committed lengths, and attended over all `max_len` slots;
 - the additive mask [B, 1, n, max_len] and the rotary rows are made in the graph from static inputs: the committed
   lengths [B], the layout's round slots and depths [n], and which round slots each query sees [n, max_len];
-- one graph per (layers, batch, query count, input dtype, feature layers kept, position offset), recorded the first
+- one graph per (layers, batch, query count, input dtype, feature layers kept, position offset, the measured forms
+  of its products and attention in use: cuda_kernels.py), recorded the first
   time that forward is asked for and replayed from then on; the time it took is counted (`GraphPool.capture_s`,
   reported by make bench).
 
@@ -29,6 +30,7 @@ from typing import Collection, Sequence
 import torch
 from torch import nn
 
+from specdec.sampling import cuda_kernels
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer
 from specdec.sampling.rotary import MARGIN, RotaryTable
@@ -108,7 +110,7 @@ class GraphPool:
         and visible on the device, or the CPU: a blocking copy) -> [B, n, H] and {i: the input of layer i} for i in
         keep; fresh tensors, not the graph's."""
         n = x.shape[1]
-        key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset)
+        key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset, cuda_kernels.active())
         graph = self.graphs.get(key)
         # inside a larger recording (a whole draft, draft_graph.py) the ops join that graph: no graph of their own is
         # recorded or replayed there

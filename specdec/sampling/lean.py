@@ -74,6 +74,9 @@ class LeanLayer(nn.Module):
         self.native_rows: list = []
         # native_layer.stack's: its native form once built, per form its weights are held in (None: it has none)
         self.native_built: dict[str, object] = {}
+        # the attention form for n queries, attention_rows[n](q, k, v, mask, scale), where cuda_kernels measured one
+        # faster than SDPA (None, or past the list: SDPA)
+        self.attention_rows: list = []
 
     @property
     def native(self):
@@ -111,8 +114,12 @@ class LeanLayer(nn.Module):
         # q and k rotated together: x·cos + rotate_half(x)·sin with rotate_half(x) = roll(x, d/2) and the sign in sin
         q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)
         k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                           enable_gqa=heads != kv)  # [B, heads, n, d]
+        attend = self.attention_rows[n] if n < len(self.attention_rows) else None
+        if attend is not None:
+            o = attend(q, k, v, mask, self.scaling)  # [B, heads, n, d]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                               enable_gqa=heads != kv)  # [B, heads, n, d]
         hidden = hidden + o_proj(o.transpose(1, 2).reshape(b, n, heads * d))
         gate, up = self.gate_up(norm2(hidden)).split([self.intermediate, self.intermediate], dim=-1)
         return hidden + down_proj(act(gate) * up)

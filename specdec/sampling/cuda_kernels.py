@@ -1,0 +1,387 @@
+"""CUDA products and attention for decoding, chosen by measurement on the GPU that runs them.
+
+A verify multiplies every weight by a few rows. On an H200, cuBLAS serves one row with a matrix-vector kernel and two
+or more with float32 GEMM kernels made for large tiles: the 121 products of a SmolLM2 forward took 672 µs of kernels at
+one row and 1,311 µs at five (experiments/results/profile_verify/h200_before), most of the reason a verify of 5 tokens
+cost 1.44 decode steps. `small_m_linear` is a Triton kernel for up to 16 rows: each program reads a block of W's rows
+once for all the x rows (x·Wᵀ, float32 products and sums, the order of the sum its own), optionally over a slice of the
+inputs (split-K, the slices summed by one more kernel, so the result does not depend on timing). And SDPA with an
+additive mask runs the memory-efficient attention kernel; for a few queries the same formula as two matmuls and a
+softmax (`math_attention`) was faster there (v(5) 1.35 against 1.44 with everything else the same).
+
+Nothing is assumed: on first use on a GPU, each weight shape's products are timed per row count, cuBLAS (F.linear)
+against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
+replayed (as the sampler runs them), and the attention's two forms per query count over a layer's geometry the same
+way. The fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton
+is missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
+stay: the fallback is PyTorch's own."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.sampling.lean import decode_linears, lean_layers
+
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows (and other dtypes) take F.linear
+MAX_ROWS = 16  # one block of x rows per program (tl.dot's smallest tile side)
+# name -> (output rows per program, inputs per step, split-K slices, warps): a small grid that spans few wide programs
+# (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072 outputs: too few programs else)
+CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    "triton_o16_k64": (16, 64, 1, 2),
+    "triton_o32_k64": (32, 64, 1, 4),
+    "triton_o64_k64": (64, 64, 1, 4),
+    "triton_o16_k128": (16, 128, 1, 4),
+    "triton_o16_k64_s2": (16, 64, 2, 2),
+    "triton_o16_k64_s4": (16, 64, 4, 2),
+    "triton_o32_k64_s4": (32, 64, 4, 4),
+    "triton_o16_k32_s8": (16, 32, 8, 2),
+}
+TOLERANCE = 1e-4  # of the output's largest magnitude: float32 sums in another order, not another product
+REPLAYS = 20  # replays of a recorded pass, timed together
+DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels_cuda.json"
+
+_KERNEL = None  # the Triton kernel, built on first use
+
+
+def _triton_kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def small_m(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
+                    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+            # program (p, s): outputs p·BLOCK_O.. of every x row, over inputs s·span .. (s+1)·span of I
+            rows = tl.arange(0, BLOCK_M)
+            outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+            start = tl.program_id(1) * span
+            acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+            for k in range(0, span, BLOCK_K):
+                cols = start + k + tl.arange(0, BLOCK_K)
+                xs = tl.load(x + rows[:, None] * stride_x + cols[None, :],
+                             mask=(rows[:, None] < m) & (cols[None, :] < i), other=0.0)  # [BLOCK_M, BLOCK_K]
+                ws = tl.load(w + outs[:, None] * stride_w + cols[None, :],
+                             mask=(outs[:, None] < o) & (cols[None, :] < i), other=0.0)  # [BLOCK_O, BLOCK_K]
+                acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")  # float32 FMAs, not TF32
+            out = y + tl.program_id(1) * stride_split + rows[:, None] * stride_y + outs[None, :]
+            tl.store(out, acc, mask=(rows[:, None] < m) & (outs[None, :] < o))
+
+        _KERNEL = small_m
+    return _KERNEL
+
+
+def small_m_linear(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
+    """x [M, I] @ w [O, I]ᵀ -> [M, O] (float32, M ≤ MAX_ROWS, both contiguous) with CONFIGS[config]."""
+    block_o, block_k, split, warps = CONFIGS[config]
+    m, i = x.shape
+    o = w.shape[0]
+    if m > MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError("small_m_linear takes up to 16 float32 rows and a float32 weight")
+    x = x.contiguous()
+    y = torch.empty((split, m, o), dtype=x.dtype, device=x.device)  # one slab per input slice
+    grid = ((o + block_o - 1) // block_o, split)
+    span = -(-i // (block_k * split)) * block_k  # inputs per slice, whole steps of block_k
+    _triton_kernel()[grid](x, w, y, m, o, i, span, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
+                           BLOCK_M=MAX_ROWS, BLOCK_O=block_o, BLOCK_K=block_k, SPLIT=split, num_warps=warps)
+    return y[0] if split == 1 else y.sum(0)
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v, the heads that share a KV head as one block of rows: q [B, h, n, d], k, v
+    [B, kv, W, d], mask [B, 1, n, W] additive or None -> [B, h, n, d]. (What SDPA computes; as two batched matmuls and
+    a softmax.)"""
+    b, h, n, d = q.shape
+    kv = k.shape[1]
+    g = h // kv  # query heads per KV head: q heads kv_i·g .. kv_i·g + g-1 read KV head kv_i
+    s = torch.matmul(q.reshape(b, kv, g * n, d), k.transpose(-1, -2)) * scale  # [B, kv, g·n, W]
+    if mask is not None:
+        s = (s.view(b, kv, g, n, -1) + mask[:, :, None]).view(b, kv, g * n, -1)
+    return torch.matmul(torch.softmax(s, dim=-1), v).view(b, h, n, d)
+
+
+def available() -> bool:
+    """Whether Triton imports (the Triton candidates are offered only then)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 — missing or broken: PyTorch's kernels only
+        return False
+    return True
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+ATTENTIONS: dict[str, Callable] = {"sdpa": _sdpa, "math": math_attention}
+ATTENTION_WIDTH = 512  # key slots the attention forms are timed over (a graph pool's width for decodes of 257-512)
+
+
+def machine_key(device: torch.device) -> str:
+    """What a choice depends on: the GPU (or, in tests, the CPU), torch's and Triton's versions."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    try:
+        import triton
+        version = triton.__version__
+    except Exception:  # noqa: BLE001
+        version = "none"
+    return f"{name} | torch {torch.__version__} | triton {version}"
+
+
+def _signature() -> str:
+    """The candidates and this file's source, hashed: a table measured before either changed is measured again."""
+    return hashlib.sha1((" ".join(f"{k}={v}" for k, v in CONFIGS.items()) + Path(__file__).read_text()).encode()
+                        ).hexdigest()[:16]
+
+
+class CudaTable:
+    """Fastest product per (weight shape, row count) and attention form per (layer geometry, query count) on this GPU,
+    measured once and cached in `path`."""
+
+    def __init__(self, device: torch.device, path: Path | str | None = DEFAULT_CACHE, rows: tuple[int, ...] = ROWS,
+                 triton: bool | None = None):
+        self.device = torch.device(device)
+        self.path = Path(path).expanduser() if path is not None else None
+        self.rows = rows
+        self.triton = available() if triton is None else triton
+        self.key = machine_key(self.device)
+        self.signature = _signature()
+        self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {rows: candidate}
+        self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> candidate -> seconds
+        self.attention: dict[str, dict[int, str]] = {}  # "heads,kv,d" -> {queries: form}
+        self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
+        if self.path is not None and self.path.exists():
+            stored = json.loads(self.path.read_text()).get(self.key, {})
+            if stored.get("candidates") == self.signature and stored.get("triton") == self.triton:
+                self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored["choice"].items()}
+                self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored["timings"].items()}
+                self.attention = {g: {int(n): f for n, f in c.items()} for g, c in stored["attention"].items()}
+
+    def candidates(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        found = {"linear": _linear}
+        if self.triton:
+            found.update({name: (lambda x, w, c=name: small_m_linear(x, w, c)) for name in CONFIGS})
+        return found
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        stored = json.loads(self.path.read_text()) if self.path.exists() else {}
+        stored[self.key] = {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
+                            "timings": self.timings, "attention": self.attention}
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(stored, indent=1))
+        os.replace(tmp, self.path)
+
+    @torch.no_grad()
+    def prepare(self, weights: list[torch.Tensor], layers: list) -> None:
+        """Measure every weight shape and layer geometry not yet in the table (on those very weights)."""
+        by_shape: dict[str, list[torch.Tensor]] = {}
+        for w in weights:
+            by_shape.setdefault(_shape_key(w), []).append(w)
+        geometries = {_geometry(f): f for f in layers}
+        missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
+        new_geometries = {g: f for g, f in geometries.items() if g not in self.attention}
+        if not missing and not new_geometries:
+            return
+        t0 = time.perf_counter()
+        for shape, ws in missing.items():
+            self.timings[shape] = {rows: self._time_products(ws, rows) for rows in self.rows}
+            self.choice[shape] = {rows: min(t, key=t.get) for rows, t in self.timings[shape].items()}
+        for geometry, f in new_geometries.items():
+            self.attention[geometry] = self._measure_attention(f)
+        self.measure_s += time.perf_counter() - t0
+        self.save()
+
+    def _time_products(self, weights: list[torch.Tensor], rows: int) -> dict[str, float]:
+        """Seconds per product of each candidate that reproduces F.linear, at `rows` rows: one pass over (up to 32 of)
+        the shape's weights, recorded and replayed (on a GPU), best of 3 interleaved passes."""
+        ws = weights[:32]
+        x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
+        reference = F.linear(x, ws[0])
+        usable = {}
+        for name, fn in self.candidates().items():
+            try:  # one that fails to build here, or gives another product, is left out
+                if torch.allclose(fn(x, ws[0]), reference, rtol=0, atol=TOLERANCE * float(reference.abs().max())):
+                    usable[name] = fn
+            except Exception:  # noqa: BLE001
+                continue
+        passes = {name: (lambda fn=fn: [fn(x, w) for w in ws]) for name, fn in usable.items()}
+        return {name: t / len(ws) for name, t in _best_of(passes, self.device).items()}
+
+    def _measure_attention(self, layer) -> dict[int, str]:
+        """{queries: form} for a layer's geometry: each form over ATTENTION_WIDTH key slots, half of them masked."""
+        choice = {}
+        for n in self.rows:
+            b, d = 1, layer.head_dim
+            dev, dtype = self.device, layer.qkv.weight.dtype
+            q = torch.randn(b, layer.heads, n, d, device=dev, dtype=dtype)
+            k, v = (torch.randn(b, layer.kv_heads, ATTENTION_WIDTH, d, device=dev, dtype=dtype) for _ in range(2))
+            mask = torch.zeros(b, 1, n, ATTENTION_WIDTH, device=dev, dtype=dtype)
+            mask[..., ATTENTION_WIDTH // 2:] = torch.finfo(dtype).min
+            reference = _sdpa(q, k, v, mask, layer.scaling)
+            usable = {name: fn for name, fn in ATTENTIONS.items()
+                      if torch.allclose(fn(q, k, v, mask, layer.scaling), reference, rtol=0,
+                                        atol=TOLERANCE * float(reference.abs().max()))}
+            # a forward runs one per layer: 30 in a row, as the pass of products does
+            passes = {name: (lambda fn=fn: [fn(q, k, v, mask, layer.scaling) for _ in range(30)])
+                      for name, fn in usable.items()}
+            times = _best_of(passes, self.device)
+            choice[n] = min(times, key=times.get)
+        return choice
+
+    def plan(self, weight: torch.Tensor) -> list[str | None]:
+        """Candidate per row count 0..max(rows) for this weight (the smallest measured row count ≥ rows); None where
+        F.linear was fastest (so its forward pays no extra call)."""
+        choice = self.choice.get(_shape_key(weight), {})
+        names: list[str | None] = [None]
+        for rows in range(1, max(self.rows) + 1):
+            bucket = min((r for r in choice if r >= rows), default=None)
+            name = choice[bucket] if bucket is not None else "linear"
+            names.append(None if name == "linear" else name)
+        return names
+
+    def attention_plan(self, layer) -> list[Callable | None]:
+        """Attention form per query count 0..max(rows) for a lean layer; None where SDPA was fastest."""
+        choice = self.attention.get(_geometry(layer), {})
+        forms: list[Callable | None] = [None]
+        for n in range(1, max(self.rows) + 1):
+            bucket = min((r for r in choice if r >= n), default=None)
+            form = choice[bucket] if bucket is not None else "sdpa"
+            forms.append(None if form == "sdpa" else ATTENTIONS[form])
+        return forms
+
+
+def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, float]:
+    """Seconds of one call of each pass, best of `rounds` interleaved rounds (drift hits every candidate alike). On a
+    GPU each pass is recorded as a CUDA graph (after a warm-up that builds its kernels) and replayed REPLAYS times
+    between two events: what a decode's recorded forward pays, with no launch cost; elsewhere (tests) it is timed as
+    it runs."""
+    runs = {}
+    for name, run in passes.items():
+        run()  # builds (Triton compiles on first use), outside any recording
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()  # its own memory pool, freed with it
+            with torch.cuda.graph(graph):
+                run()
+            runs[name] = graph.replay
+        else:
+            runs[name] = run
+    best = {name: float("inf") for name in runs}
+    for _ in range(rounds):
+        for name, replay in runs.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(REPLAYS):
+                    replay()
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3 / REPLAYS
+            else:
+                t0 = time.perf_counter()
+                replay()
+                seconds = time.perf_counter() - t0
+            best[name] = min(best[name], seconds)
+    return best
+
+
+def _shape_key(w: torch.Tensor) -> str:
+    return f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}"
+
+
+def _geometry(layer) -> str:
+    dtype = str(layer.qkv.weight.dtype).removeprefix("torch.")
+    return f"heads {layer.heads}, kv {layer.kv_heads}, d {layer.head_dim}:{dtype}"
+
+
+_TABLES: dict[str, CudaTable] = {}
+_ACTIVE: list[str] = []  # the tables in use (their keys), innermost last: part of a recorded graph's key
+
+
+def active() -> str | None:
+    """Which measured forms the current forwards run with (None: PyTorch's own), for CUDA graph keys: a graph records
+    the kernels of the forms it was captured under, so another setting must record its own."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def default_table(device: torch.device) -> CudaTable:
+    """The process-wide table of this GPU (measured lazily, cached per GPU on disk)."""
+    key = str(device)
+    if key not in _TABLES:
+        _TABLES[key] = CudaTable(device)
+    return _TABLES[key]
+
+
+@contextmanager
+def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[CudaTable | None]:
+    """Within the block, each float32 nn.Linear of `modules` that a decode multiplies with (the lean layers' fused
+    ones, heads) runs the product measured fastest for its shape and row count, and each lean layer the attention form
+    measured fastest for its query count. Shapes and geometries not seen on this GPU are measured on entry
+    (`table.measure_s`). Modules not on a GPU are left alone (unless a table is given: tests)."""
+    linears = [m for mod in modules for m in decode_linears(mod)
+               if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.dim() == 2
+               and (m.weight.device.type == "cuda" or table is not None)]
+    if not linears:
+        yield None
+        return
+    table = table or default_table(linears[0].weight.device)
+    layers = [f for mod in modules for f in lean_layers(mod) if f.qkv.weight.dtype == torch.float32]
+    table.prepare([m.weight for m in linears], layers)
+    patched, seen = [], set()
+    for lin in linears:
+        plan = table.plan(lin.weight)
+        if id(lin) in seen or not any(plan) or "forward" in lin.__dict__:  # nested use keeps the outer plan
+            continue
+        seen.add(id(lin))
+        lin.forward = _forward(lin, plan)
+        patched.append(lin)
+    attended = []
+    for f in layers:
+        if not f.attention_rows:
+            f.attention_rows = table.attention_plan(f)
+            attended.append(f)
+    _ACTIVE.append(f"{table.key} {table.signature}")
+    try:
+        yield table
+    finally:
+        _ACTIVE.pop()
+        for lin in patched:
+            del lin.forward
+        for f in attended:
+            f.attention_rows = []
+
+
+def _forward(lin: nn.Linear, plan: list[str | None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, bias, limit = lin.weight, lin.bias, len(plan)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        name = plan[rows] if rows < limit else None
+        if name is None or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
+        y = small_m_linear(x.reshape(rows, x.shape[-1]), weight, name).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    return forward
