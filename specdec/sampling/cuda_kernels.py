@@ -59,7 +59,8 @@ def _triton_kernel():
         import triton
         import triton.language as tl
 
-        @triton.jit
+        # the row count and slab stride vary by call: not specialised on (a new variant would compile mid-decode)
+        @triton.jit(do_not_specialize=["m", "stride_split"])
         def small_m(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
                     BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
             # program (p, s): outputs p·BLOCK_O.. of every x row, over inputs s·span .. (s+1)·span of I
