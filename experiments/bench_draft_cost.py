@@ -5,7 +5,14 @@ per family.
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48]
 
 Untrained drafters (the cost does not depend on the weights), SmolLM2, one HumanEval prompt, chain γ, T = 0, in
-our sampler with the measured kernels; T_1 is one base forward over one token (specdec/sampling/cost.py), same run."""
+our sampler with the measured kernels; T_1 is one base forward over one token (specdec/sampling/cost.py), same run.
+
+Beside each c, the ratio of bytes: a draft depth reads each of the drafter's decode weights once and a base step each
+of the base's, so the drafter's weight bytes (each in the narrowest form the precision allows: its exact compact form,
+or Q8_0 / bfloat16 / float32) over the base's as its step reads them (bench_ar.streamed_bytes) is what a depth would
+cost if both streamed at one rate. Not a floor: weights a round has just read can come faster from the caches (the
+full-vocab Medusa heads share the base's lm_head). Where c sits well above it, the depth pays for more than its
+weights: dispatch, small ops, the tree's bookkeeping."""
 
 from __future__ import annotations
 
@@ -24,7 +31,21 @@ from specdec.drafters.medusa import Medusa  # noqa: E402
 from specdec.drafters.prophet import Prophet  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
+from specdec.sampling import compact  # noqa: E402
 from specdec.sampling.kernels import machine_key  # noqa: E402
+from specdec.sampling.lean import decode_linears  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ar import streamed_bytes  # noqa: E402
+
+
+def held_bytes(w: torch.Tensor, precision: str) -> float:
+    """A drafter weight's bytes in the narrowest form `precision` lets the sampler multiply from (kernels.py): its exact
+    compact form where it has one (a draft vocab's rows of the base's Q8_0 embedding), else Q8_0 blocks (q8: where
+    its rows are whole groups of 32), bfloat16, or float32."""
+    exact = compact.form(w)
+    rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.125 if w.shape[1] % 32 == 0 else 2.0}[precision] * w.numel()
+    return min(exact.nbytes, rounded) if exact is not None else rounded
 
 
 def main() -> None:
@@ -37,7 +58,8 @@ def main() -> None:
     prompt = render_chat(base.tokenizer, [{"role": "user", "content": humaneval(1)[0]["turns"][0]}])
     cfg = SamplerConfig(max_new_tokens=args.new, gamma=args.gamma, eos_token_id=[])
     t1 = forward_costs(base, [1], prompt_len=len(prompt))[1]
-    rows = {}
+    step_bytes = streamed_bytes(base)
+    rows, ratios = {}, {}
     for family, make in {"medusa": lambda v: Medusa(base, num_heads=args.gamma, draft_vocab_size=v),
                          "prophet": lambda v: Prophet(base, draft_vocab_size=v)}.items():
         for vocab in (None, 8192):
@@ -47,10 +69,20 @@ def main() -> None:
                 generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
                 r = generate(base, [prompt], drafter, pcfg)
                 c = sum(r.step_draft_s) / len(r.step_draft_s) / args.gamma / t1
-                rows[f"{family}, vocab {vocab or base.vocab_size}, {precision}"] = round(c, 4)
+                name = f"{family}, vocab {vocab or base.vocab_size}, {precision}"
+                rows[name] = round(c, 4)
+                # a depth's products: the prophet's block, fc and projection; one Medusa head (its γ heads draft one
+                # depth each) and the projection they share
+                body = drafter.heads[0] if family == "medusa" else drafter
+                head = drafter.draft_vocab.head if vocab else base.lm_head
+                linears = {id(m): m for m in [*decode_linears(body), head]}.values()
+                depth_bytes = sum(held_bytes(m.weight, precision) for m in linears)
+                ratios[name] = round(depth_bytes / step_bytes, 4)
                 print(f"{family:8s} draft vocab {vocab or base.vocab_size:6d} {precision}: c = {c:.3f} "
-                      f"(T_1 {t1 * 1e3:.1f} ms)", flush=True)
+                      f"(T_1 {t1 * 1e3:.1f} ms; bytes {ratios[name]:.3f} of a step's: {depth_bytes / 1e6:.1f} MB a depth, "
+                      f"{step_bytes / 1e6:.1f} MB a step)", flush=True)
     report = {"cpu": machine_key(), "gamma": args.gamma, "t1_ms": round(t1 * 1e3, 2), "c_per_depth": rows,
+              "bytes_per_depth_over_step": ratios, "base_step_bytes": step_bytes,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_draft_cost.py "
                          f"--gamma {args.gamma} --new {args.new}"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from conftest import ROOT
 
 from specdec.sampling import cuda_kernels, graphs
-from specdec.sampling.context import SamplingContext
 from specdec.sampling.cuda_kernels import CudaTable, math_attention
 from specdec.sampling.lean import lean_layers
 
@@ -136,8 +135,7 @@ def test_math_attention_is_sdpa_with_grouped_heads():
 
 def test_graph_keys_name_the_forms_in_use(tiny, tmp_path):
     """A recorded forward replays the kernels it was recorded with: under other forms a pool records its own."""
-    ctx = SamplingContext(tiny, 1, 32, graphs=True)
-    pool = graphs.GraphPool(tiny, "base", 1, 32)
+    pool = graphs.GraphPool(tiny, "base", 1, 32)  # on the CPU its static forward runs eagerly, keyed as a graph
     fast = lean_layers(tiny.model)
     x = torch.randint(0, tiny.vocab_size, (1, 2))
     args = (torch.tensor([3]), torch.arange(2), torch.arange(2), torch.ones(2, 2, dtype=torch.bool).tril())
@@ -145,4 +143,3 @@ def test_graph_keys_name_the_forms_in_use(tiny, tmp_path):
     with measured_tables(tiny, CudaTable(torch.device("cpu"), path=tmp_path / "t.json", rows=(1, 2), triton=False)):
         pool.forward(fast, x, *args, embed=True)
     assert len(pool.graphs) == 2 and {k[-1] is None for k in pool.graphs} == {True, False}
-    del ctx

@@ -38,17 +38,25 @@ from specdec.sampling.lean import decode_linears, lean_layers
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows (and other dtypes) take F.linear
 MAX_ROWS = 16  # one block of x rows per program (tl.dot's smallest tile side)
-# name -> (output rows per program, inputs per step, split-K slices, warps): a small grid that spans few wide programs
-# (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072 outputs: too few programs else)
-CONFIGS: dict[str, tuple[int, int, int, int]] = {
-    "triton_o16_k64": (16, 64, 1, 2),
-    "triton_o32_k64": (32, 64, 1, 4),
-    "triton_o64_k64": (64, 64, 1, 4),
-    "triton_o16_k128": (16, 128, 1, 4),
-    "triton_o16_k64_s2": (16, 64, 2, 2),
-    "triton_o16_k64_s4": (16, 64, 4, 2),
-    "triton_o32_k64_s4": (32, 64, 4, 4),
-    "triton_o16_k32_s8": (16, 32, 8, 2),
+# name -> (output rows per program, inputs per step, split-K slices, warps, pipeline stages): a grid that spans few wide
+# programs (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072 outputs: too few programs
+# else), with deeper load pipelines for the long loops. (The first eight alone, on the H200: cuBLAS kept every large
+# product; the rest were added to give those a chance.)
+CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
+    "triton_o16_k64": (16, 64, 1, 2, 3),
+    "triton_o32_k64": (32, 64, 1, 4, 3),
+    "triton_o64_k64": (64, 64, 1, 4, 3),
+    "triton_o16_k128": (16, 128, 1, 4, 3),
+    "triton_o16_k64_s2": (16, 64, 2, 2, 3),
+    "triton_o16_k64_s4": (16, 64, 4, 2, 3),
+    "triton_o32_k64_s4": (32, 64, 4, 4, 3),
+    "triton_o16_k32_s8": (16, 32, 8, 2, 3),
+    "triton_o32_k128_p4": (32, 128, 1, 4, 4),
+    "triton_o64_k128_w8": (64, 128, 1, 8, 4),
+    "triton_o128_k64_w8": (128, 64, 1, 8, 4),
+    "triton_o32_k128_s4": (32, 128, 4, 4, 2),
+    "triton_o64_k64_s4": (64, 64, 4, 4, 2),
+    "triton_o64_k128_s2_w8": (64, 128, 2, 8, 3),
 }
 TOLERANCE = 1e-4  # of the output's largest magnitude: float32 sums in another order, not another product
 REPLAYS = 20  # replays of a recorded pass, timed together
@@ -66,7 +74,7 @@ def _triton_kernel():
         # the row count and slab stride vary by call: not specialised on (a new variant would compile mid-decode)
         @triton.jit(do_not_specialize=["m", "stride_split"])
         def small_m(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
-                    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
             # program (p, s): outputs p·BLOCK_O.. of every x row, over inputs s·span .. (s+1)·span of I
             rows = tl.arange(0, BLOCK_M)
             outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -88,17 +96,18 @@ def _triton_kernel():
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
     """x [M, I] @ w [O, I]ᵀ -> [M, O] (float32, M ≤ MAX_ROWS, both contiguous) with CONFIGS[config]."""
-    block_o, block_k, split, warps = CONFIGS[config]
+    block_o, block_k, split, warps, stages = CONFIGS[config]
     m, i = x.shape
     o = w.shape[0]
-    if m > MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32:
-        raise ValueError("small_m_linear takes up to 16 float32 rows and a float32 weight")
+    if m > MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 or w.stride(1) != 1:
+        raise ValueError("small_m_linear takes up to 16 float32 rows and a float32 weight with contiguous rows")
     x = x.contiguous()
     y = torch.empty((split, m, o), dtype=x.dtype, device=x.device)  # one slab per input slice
     grid = ((o + block_o - 1) // block_o, split)
     span = -(-i // (block_k * split)) * block_k  # inputs per slice, whole steps of block_k
     _triton_kernel()[grid](x, w, y, m, o, i, span, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-                           BLOCK_M=MAX_ROWS, BLOCK_O=block_o, BLOCK_K=block_k, SPLIT=split, num_warps=warps)
+                           BLOCK_M=MAX_ROWS, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=warps,
+                           num_stages=stages)
     return y[0] if split == 1 else y.sum(0)
 
 
@@ -168,7 +177,7 @@ class CudaTable:
         self.signature = _signature()
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {rows: candidate}
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> candidate -> seconds
-        self.attention: dict[str, dict[int, str]] = {}  # "heads,kv,d" -> {queries: form}
+        self.attention: dict[str, dict[int, str]] = {}  # "heads H, kv K, d D:dtype" -> {queries: form}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
