@@ -12,9 +12,9 @@ from contextlib import nullcontext
 import torch
 
 from specdec.base import Base
-from specdec.sampling.cuda_kernels import measured as cuda_kernels_measured
 from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
+from specdec.sampling.cuda_kernels import measured as cuda_kernels_measured
 from specdec.sampling.kernels import KernelTable, measured_kernels
 
 
@@ -33,9 +33,8 @@ def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
     included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`,
     `cuda_kernels` and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`:
-    the kernel
-    table, the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a noisy
-    machine hits every n alike."""
+    the kernel table, the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a
+    noisy machine hits every n alike."""
     times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table, native_layers, cuda_graphs,
                           greedy_shortlist, compact_weights, cuda_kernels=cuda_kernels)
     return {n: statistics.median(t) for n, t in times.items()}
