@@ -64,15 +64,8 @@ def mm_t(x, w, b=None):
 
 
 def math_attention(q, k, v, attn_mask=None, scale=None, enable_gqa=False, **_):
-    """softmax(q·kᵀ·scale + mask)·v with grouped KV heads: q [B, h, n, d], k, v [B, kv, W, d]."""
-    b, h, n, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, (h // kv) * n, d)  # the heads that share a KV head as one block of rows
-    s = torch.matmul(qg, k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)  # [B, kv, h/kv·n, W]
-    if attn_mask is not None:
-        s = s.view(b, kv, h // kv, n, -1) + attn_mask[:, :, None]  # mask [B, 1, n, W]
-    p = torch.softmax(s.view(b, kv, (h // kv) * n, -1), dim=-1)
-    return torch.matmul(p, v).view(b, h, n, d)
+    """SDPA's signature over cuda_kernels.math_attention (matmul + softmax with grouped KV heads)."""
+    return cuda_kernels.math_attention(q, k, v, attn_mask, scale if scale is not None else q.shape[-1] ** -0.5)
 
 
 LINEARS = {"linear": _LINEAR, "rows_mv": rows_mv, "bmm_rows": bmm_rows, "mm_t": mm_t}

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling.kernels import per_count, store
 from specdec.sampling.lean import decode_linears, lean_layers
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows (and other dtypes) take F.linear
@@ -187,15 +188,8 @@ class CudaTable:
         return found
 
     def save(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        stored = json.loads(self.path.read_text()) if self.path.exists() else {}
-        stored[self.key] = {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
-                            "timings": self.timings, "attention": self.attention}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(stored, indent=1))
-        os.replace(tmp, self.path)
+        store(self.path, self.key, {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
+                                    "timings": self.timings, "attention": self.attention})
 
     @torch.no_grad()
     def prepare(self, weights: list[torch.Tensor], layers: list) -> None:
@@ -257,23 +251,13 @@ class CudaTable:
     def plan(self, weight: torch.Tensor) -> list[str | None]:
         """Candidate per row count 0..max(rows) for this weight (the smallest measured row count ≥ rows); None where
         F.linear was fastest (so its forward pays no extra call)."""
-        choice = self.choice.get(_shape_key(weight), {})
-        names: list[str | None] = [None]
-        for rows in range(1, max(self.rows) + 1):
-            bucket = min((r for r in choice if r >= rows), default=None)
-            name = choice[bucket] if bucket is not None else "linear"
-            names.append(None if name == "linear" else name)
-        return names
+        names = per_count(self.choice.get(_shape_key(weight), {}), max(self.rows), "linear")
+        return [None if name == "linear" else name for name in names]
 
     def attention_plan(self, layer) -> list[Callable | None]:
         """Attention form per query count 0..max(rows) for a lean layer; None where SDPA was fastest."""
-        choice = self.attention.get(_geometry(layer), {})
-        forms: list[Callable | None] = [None]
-        for n in range(1, max(self.rows) + 1):
-            bucket = min((r for r in choice if r >= n), default=None)
-            form = choice[bucket] if bucket is not None else "sdpa"
-            forms.append(None if form == "sdpa" else ATTENTIONS[form])
-        return forms
+        forms = per_count(self.attention.get(_geometry(layer), {}), max(self.rows), "sdpa")
+        return [None if form == "sdpa" else ATTENTIONS[form] for form in forms]
 
 
 def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, float]:

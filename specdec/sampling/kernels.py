@@ -316,15 +316,8 @@ class KernelTable:
         return best
 
     def save(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        stored = json.loads(self.path.read_text()) if self.path.exists() else {}
-        stored[self.key] = {"candidates": self.signature, "choice": self.choice, "timings": self.timings,
-                            "uniform": self.uniform, "layers": self.layers}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(stored, indent=1))
-        os.replace(tmp, self.path)
+        store(self.path, self.key, {"candidates": self.signature, "choice": self.choice, "timings": self.timings,
+                                    "uniform": self.uniform, "layers": self.layers})
 
     @torch.no_grad()
     def arbitrate(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False,
@@ -392,10 +385,7 @@ class KernelTable:
         if shape in self._by_rows:
             return self._by_rows[shape]
         choice = self.choice.get(shape, {})
-        names = ["linear"]
-        for rows in range(1, max(self.rows) + 1):
-            bucket = min((r for r in choice if r >= rows), default=None)
-            names.append(choice[bucket] if bucket is not None else "linear")
+        names = per_count(choice, max(self.rows), "linear")
         if choice:
             self._by_rows[shape] = names
         return names
@@ -417,6 +407,29 @@ class KernelTable:
             self._packed[key] = (weakref.ref(weight, lambda _, k=key: self._packed.pop(k, None)), weight._version,
                                  operand)
         return operand
+
+
+def store(path: Path | None, key: str, entry: dict) -> None:
+    """Write entry under key (a machine's) into the JSON file at path, keeping the other machines' entries; the file
+    replaced at once, so a reader never sees half of it. Nothing without a path."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored[key] = entry
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(stored, indent=1))
+    os.replace(tmp, path)
+
+
+def per_count(choice: dict[int, str], most: int, default: str) -> list[str]:
+    """{measured count: name} -> a name for every count 0..most: the smallest measured count at or above it (default
+    at 0 and past the largest measured one)."""
+    names = [default]
+    for n in range(1, most + 1):
+        bucket = min((r for r in choice if r >= n), default=None)
+        names.append(choice[bucket] if bucket is not None else default)
+    return names
 
 
 def _tensors(operand: Any) -> list[torch.Tensor]:
