@@ -104,8 +104,8 @@ def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, tmp_path):
     assert table.choice and table.attention
     if cuda_kernels.available():
         assert all("triton_o16_k64" in t for c in table.timings.values() for t in c.values())
-        for shape in table.choice:
-            table.choice[shape] = {r: "triton_o16_k64_s2" for r in table.rows}
+        for i, shape in enumerate(table.choice):  # both kinds of kernel, split-K in each
+            table.choice[shape] = {r: ("triton_o16_k64_s2", "rows_o8_k64_s4")[i % 2] for r in table.rows}
     for g in table.attention:
         table.attention[g] = {r: "math" for r in table.rows}
     key = str(base.lm_head.weight.device)
@@ -115,6 +115,27 @@ def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, tmp_path):
     finally:
         cuda_kernels._TABLES.pop(key)
     assert forced.tokens.tolist() == stock.tokens.tolist() == reference(base, prompts)
+
+
+def test_measured_products_run_in_graph_recordings_only(base):
+    """A patched linear launches its Triton kernel only while a CUDA graph records (where it was timed); called from
+    Python it is F.linear itself, bit for bit."""
+    if not cuda_kernels.available():
+        pytest.skip("triton is not installed")
+    lin = base.lm_head
+    table = cuda_kernels.CudaTable(CUDA, path=None, rows=(1, 2))
+    table.choice = {cuda_kernels._shape_key(lin.weight): {1: "rows_o16_k64", 2: "rows_o16_k64"}}
+    x = torch.randn(2, lin.in_features, device=CUDA)
+    triton = cuda_kernels.small_m_linear(x, lin.weight, "rows_o16_k64")  # (built here, outside the recording)
+    with cuda_kernels.measured(lin, table=table):
+        assert "forward" in lin.__dict__
+        eager = lin(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recorded = lin(x)
+        graph.replay()
+    assert torch.equal(eager, torch.nn.functional.linear(x, lin.weight))
+    assert torch.equal(recorded, triton)
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])

@@ -3,11 +3,13 @@
 A verify multiplies every weight by a few rows. On an H200, cuBLAS serves one row with a matrix-vector kernel and two
 or more with float32 GEMM kernels made for large tiles: the 121 products of a SmolLM2 forward took 672 µs of kernels at
 one row and 1,311 µs at five (experiments/results/profile_verify/h200_before), most of the reason a verify of 5 tokens
-cost 1.44 decode steps. `small_m_linear` is a Triton kernel for up to 16 rows: each program reads a block of W's rows
-once for all the x rows (x·Wᵀ, float32 products and sums, the order of the sum its own), optionally over a slice of the
-inputs (split-K, the slices summed by one more kernel, so the result does not depend on timing). And SDPA with an
-additive mask runs the memory-efficient attention kernel; for a few queries the same formula as two matmuls and a
-softmax (`math_attention`) was faster there (v(5) 1.35 against 1.44 with everything else the same).
+cost 1.44 decode steps. `small_m_linear` runs Triton kernels for up to 16 rows, of two kinds (CONFIGS): each program
+reads a block of W's rows once for all the x rows (x·Wᵀ, float32 products and sums, the order of the sum its own),
+either as a 16-row tile for tl.dot or, a matrix-vector kernel over the call's own rows, as elementwise products summed
+once at the end; optionally over a slice of the inputs (split-K, the slices summed by one more kernel, so the result
+does not depend on timing). And SDPA with an additive mask runs the memory-efficient attention kernel; for a few
+queries the same formula as two matmuls and a softmax (`math_attention`) was faster there (v(5) 1.35 against 1.44 with
+everything else the same).
 
 Nothing is assumed: on first use on a GPU, each weight shape's products are timed per row count, cuBLAS (F.linear)
 against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
@@ -16,9 +18,16 @@ way. The fastest is kept and cached per GPU (its name, torch and Triton versions
 is missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
 stay: the fallback is PyTorch's own.
 
-On the H200 (twenty-eighth session, experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products (gate|up,
-down, the lm_head, q|k|v up to 10 rows); the Triton kernel won o_proj (576x576) at most row counts above one, and
-matmul + softmax won the attention at every query count: T_1 2.11 ms against 2.27, v(5) 1.37 against 1.42, in one run."""
+On the H200 (twenty-eighth session, experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products against the
+tl.dot kernel, which won o_proj (576x576); matmul + softmax won the attention at every query count: T_1 2.11 ms against
+2.27, v(5) 1.37 against 1.42, in one run. With the matrix-vector kind (twenty-ninth session,
+experiments/results/cuda_rows_kernel) Triton took most products above one row, and the lm_head and gate|up at one row:
+T_1 2.16 ms against 2.22 for cuBLAS and SDPA throughout, v(5) 1.31 against 1.43, v(9) 1.47 against 1.54.
+
+The measured kernels run only inside CUDA graph recordings, where they were timed. Launched from Python a Triton kernel
+costs far more than cuBLAS's launch: in that session's run, before this rule, the lm_head after each recorded forward
+(Triton at one row) held our AR loop at 244 tok/s against 260 with PyTorch's kernels, and a dynamic tree, drafted op by
+op, fell to 0.52x our AR loop from 0.77x. So a product outside a graph stays cuBLAS's (not yet re-measured on a GPU)."""
 
 from __future__ import annotations
 
@@ -39,38 +48,46 @@ from specdec.sampling.lean import decode_linears, lean_layers
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows (and other dtypes) take F.linear
 MAX_ROWS = 16  # one block of x rows per program (tl.dot's smallest tile side)
-# name -> (output rows per program, inputs per step, split-K slices, warps, pipeline stages): a small grid that spans few
-# wide programs (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072 outputs: too few
-# programs else). On the H200 cuBLAS kept every large product against these; wider steps, deeper pipelines and more
-# warps are the next to time there (not measured yet: the session's device time ran out).
-CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
-    "triton_o16_k64": (16, 64, 1, 2, 3),
-    "triton_o32_k64": (32, 64, 1, 4, 3),
-    "triton_o64_k64": (64, 64, 1, 4, 3),
-    "triton_o16_k128": (16, 128, 1, 4, 3),
-    "triton_o16_k64_s2": (16, 64, 2, 2, 3),
-    "triton_o16_k64_s4": (16, 64, 4, 2, 3),
-    "triton_o32_k64_s4": (32, 64, 4, 4, 3),
-    "triton_o16_k32_s8": (16, 32, 8, 2, 3),
+# name -> (kind, output rows per program, inputs per step, split-K slices, warps, pipeline stages). Two kinds:
+# - "dot": x rows padded to a 16-row tile, one tl.dot per step (float32 FMAs);
+# - "rows": as many x rows as the call has (the next power of two: one compiled variant per bucket), each step's
+#   products summed elementwise into a [rows, outputs, inputs] register block and reduced once at the end: a
+#   matrix-vector kernel that reads each weight once for all rows, so its time barely grows with them.
+# A grid that spans few wide programs (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072
+# outputs: too few programs else).
+CONFIGS: dict[str, tuple[str, int, int, int, int, int]] = {
+    "triton_o16_k64": ("dot", 16, 64, 1, 2, 3),
+    "triton_o32_k64": ("dot", 32, 64, 1, 4, 3),
+    "triton_o64_k64": ("dot", 64, 64, 1, 4, 3),
+    "triton_o16_k128": ("dot", 16, 128, 1, 4, 3),
+    "triton_o16_k64_s2": ("dot", 16, 64, 2, 2, 3),
+    "triton_o16_k64_s4": ("dot", 16, 64, 4, 2, 3),
+    "triton_o32_k64_s4": ("dot", 32, 64, 4, 4, 3),
+    "triton_o16_k32_s8": ("dot", 16, 32, 8, 2, 3),
+    "rows_o8_k128": ("rows", 8, 128, 1, 4, 2),
+    "rows_o16_k64": ("rows", 16, 64, 1, 4, 2),
+    "rows_o32_k32": ("rows", 32, 32, 1, 4, 2),
+    "rows_o4_k256_s2": ("rows", 4, 256, 2, 4, 2),
+    "rows_o8_k64_s4": ("rows", 8, 64, 4, 2, 2),
+    "rows_o64_k32": ("rows", 64, 32, 1, 8, 2),
 }
 TOLERANCE = 1e-4  # of the output's largest magnitude: float32 sums in another order, not another product
 REPLAYS = 20  # replays of a recorded pass, timed together
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels_cuda.json"
 
-_KERNEL = None  # the Triton kernel, built on first use
+_KERNELS: dict[str, object] = {}  # kind -> the Triton kernel, built on first use
 
 
-def _triton_kernel():
-    global _KERNEL
-    if _KERNEL is None:
+def _triton_kernel(kind: str):
+    if kind not in _KERNELS:
         import triton
         import triton.language as tl
 
-        # the row count and slab stride vary by call: not specialised on (a new variant would compile mid-decode)
+        # program (p, s): outputs p·BLOCK_O.. of every x row, over inputs s·span .. (s+1)·span of I. The row count and
+        # slab stride vary by call: not specialised on (a new variant would compile mid-decode).
         @triton.jit(do_not_specialize=["m", "stride_split"])
-        def small_m(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
-                    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
-            # program (p, s): outputs p·BLOCK_O.. of every x row, over inputs s·span .. (s+1)·span of I
+        def dot(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
+                BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
             rows = tl.arange(0, BLOCK_M)
             outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
             start = tl.program_id(1) * span
@@ -85,13 +102,30 @@ def _triton_kernel():
             out = y + tl.program_id(1) * stride_split + rows[:, None] * stride_y + outs[None, :]
             tl.store(out, acc, mask=(rows[:, None] < m) & (outs[None, :] < o))
 
-        _KERNEL = small_m
-    return _KERNEL
+        @triton.jit(do_not_specialize=["m", "stride_split"])
+        def rows(x, w, y, m, o, i, span, stride_x, stride_w, stride_y, stride_split,
+                 BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+            r = tl.arange(0, BLOCK_M)
+            outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+            start = tl.program_id(1) * span
+            acc = tl.zeros((BLOCK_M, BLOCK_O, BLOCK_K), dtype=tl.float32)
+            for k in range(0, span, BLOCK_K):
+                cols = start + k + tl.arange(0, BLOCK_K)
+                xs = tl.load(x + r[:, None] * stride_x + cols[None, :],
+                             mask=(r[:, None] < m) & (cols[None, :] < i), other=0.0)  # [BLOCK_M, BLOCK_K]
+                ws = tl.load(w + outs[:, None] * stride_w + cols[None, :],
+                             mask=(outs[:, None] < o) & (cols[None, :] < i), other=0.0)  # [BLOCK_O, BLOCK_K]
+                acc += xs[:, None, :] * ws[None, :, :]  # [BLOCK_M, BLOCK_O, BLOCK_K]
+            out = y + tl.program_id(1) * stride_split + r[:, None] * stride_y + outs[None, :]
+            tl.store(out, tl.sum(acc, axis=2), mask=(r[:, None] < m) & (outs[None, :] < o))
+
+        _KERNELS.update(dot=dot, rows=rows)
+    return _KERNELS[kind]
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
     """x [M, I] @ w [O, I]ᵀ -> [M, O] (float32, M ≤ MAX_ROWS, both contiguous) with CONFIGS[config]."""
-    block_o, block_k, split, warps, stages = CONFIGS[config]
+    kind, block_o, block_k, split, warps, stages = CONFIGS[config]
     m, i = x.shape
     o = w.shape[0]
     if m > MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 or w.stride(1) != 1:
@@ -100,9 +134,10 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tenso
     y = torch.empty((split, m, o), dtype=x.dtype, device=x.device)  # one slab per input slice
     grid = ((o + block_o - 1) // block_o, split)
     span = -(-i // (block_k * split)) * block_k  # inputs per slice, whole steps of block_k
-    _triton_kernel()[grid](x, w, y, m, o, i, span, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-                           BLOCK_M=MAX_ROWS, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=warps,
-                           num_stages=stages)
+    block_m = MAX_ROWS if kind == "dot" else 1 << (m - 1).bit_length()  # rows: the next power of two
+    _triton_kernel(kind)[grid](x, w, y, m, o, i, span, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
+                               BLOCK_M=block_m, BLOCK_O=block_o, BLOCK_K=block_k, num_warps=warps,
+                               num_stages=stages)
     return y[0] if split == 1 else y.sum(0)
 
 
@@ -371,7 +406,9 @@ def _forward(lin: nn.Linear, plan: list[str | None]) -> Callable[[torch.Tensor],
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         name = plan[rows] if rows < limit else None
-        if name is None or x.dtype != torch.float32:
+        # timed as graph replays, used in them: launched from Python a Triton kernel loses to cuBLAS (module docstring);
+        # on the CPU, Triton's interpreter in tests
+        if name is None or x.dtype != torch.float32 or (x.is_cuda and not torch.cuda.is_current_stream_capturing()):
             return F.linear(x, weight, bias)
         y = small_m_linear(x.reshape(rows, x.shape[-1]), weight, name).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
