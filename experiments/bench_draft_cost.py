@@ -1,15 +1,15 @@
 """Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, with the drafter's
-weights exact (fp32), as bfloat16 copies (the sampler's default draft_precision) and with Q8_0 blocks allowed too (q8),
-per family.
+weights exact (fp32), as bfloat16 copies, with Q8_0 blocks allowed too (q8, the sampler's default draft_precision) and
+Q4_1 blocks too (q4), per family.
 
-    OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48]
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48] [--precisions q8 q4]
 
 Untrained drafters (the cost does not depend on the weights), SmolLM2, one HumanEval prompt, chain γ, T = 0, in
 our sampler with the measured kernels; T_1 is one base forward over one token (specdec/sampling/cost.py), same run.
 
 Beside each c, the ratio of bytes: a draft depth reads each of the drafter's decode weights once and a base step each
 of the base's, so the drafter's weight bytes (each in the narrowest form the precision allows: its exact compact form,
-or Q8_0 / bfloat16 / float32) over the base's as its step reads them (bench_ar.streamed_bytes) is what a depth would
+or Q4_1 / Q8_0 / bfloat16 / float32) over the base's as its step reads them (bench_ar.streamed_bytes) is what a depth would
 cost if both streamed at one rate. Not a floor: weights a round has just read can come faster from the caches (the
 full-vocab Medusa heads share the base's lm_head). Where c sits well above it, the depth pays for more than its
 weights: dispatch, small ops, the tree's bookkeeping."""
@@ -41,10 +41,12 @@ from bench_ar import streamed_bytes  # noqa: E402
 
 def held_bytes(w: torch.Tensor, precision: str) -> float:
     """A drafter weight's bytes in the narrowest form `precision` lets the sampler multiply from (kernels.py): its exact
-    compact form where it has one (a draft vocab's rows of the base's Q8_0 embedding), else Q8_0 blocks (q8: where
-    its rows are whole groups of 32), bfloat16, or float32."""
+    compact form where it has one (a draft vocab's rows of the base's Q8_0 embedding), else Q4_1 or Q8_0 blocks (q4,
+    q8: where its rows are whole groups of 32), bfloat16, or float32."""
     exact = compact.form(w)
-    rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.125 if w.shape[1] % 32 == 0 else 2.0}[precision] * w.numel()
+    blocks = w.shape[1] % 32 == 0
+    rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.125 if blocks else 2.0,
+               "q4": 0.75 if blocks else 2.0}[precision] * w.numel()
     return min(exact.nbytes, rounded) if exact is not None else rounded
 
 
@@ -52,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "q8", "q4"])
     ap.add_argument("--out", default="experiments/results/bench/draft_cost.json")
     args = ap.parse_args()
     base = load_base(device="cpu")
@@ -64,7 +67,7 @@ def main() -> None:
                          "prophet": lambda v: Prophet(base, draft_vocab_size=v)}.items():
         for vocab in (None, 8192):
             drafter = make(vocab).eval()
-            for precision in ("fp32", "bf16", "q8"):
+            for precision in args.precisions:
                 pcfg = replace(cfg, draft_precision=precision)
                 generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
                 r = generate(base, [prompt], drafter, pcfg)
@@ -84,7 +87,7 @@ def main() -> None:
     report = {"cpu": machine_key(), "gamma": args.gamma, "t1_ms": round(t1 * 1e3, 2), "c_per_depth": rows,
               "bytes_per_depth_over_step": ratios, "base_step_bytes": step_bytes,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_draft_cost.py "
-                         f"--gamma {args.gamma} --new {args.new}"}
+                         f"--gamma {args.gamma} --new {args.new} --precisions {' '.join(args.precisions)}"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -172,26 +172,33 @@ def test_smollm2_holds_its_gguf_blocks_and_decodes_greedy_identical_to_hf(compac
 
 
 @needs_compiler
-def test_q8_rounding_for_a_drafter_moves_each_weight_by_at_most_half_a_step():
-    """draft_precision=q8 (compact.quantize_q8): a drafter's trained weight, which has no exact form, rounded to Q8_0
-    blocks; each weight within d/2 of itself (d = its group's largest magnitude / 127), and the kernel multiplies with
-    exactly the rounded numbers. Only a drafter's weights get it: the kernel table offers it under draft_precision=q8
-    and never to an exact weight."""
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_block_rounding_for_a_drafter_moves_each_weight_by_at_most_half_a_step(kind):
+    """draft_precision=q8 / q4 (compact.quantize_q8 / quantize_q4): a drafter's trained weight, which has no exact form,
+    rounded to Q8_0 / Q4_1 blocks; each weight within d/2 of itself (d = its group's largest magnitude / 127, or its
+    range / 15), and the kernel multiplies with exactly the rounded numbers (compact.rounded). Only a drafter's weights
+    get it: the kernel table offers it under its draft_precision (q4 offers Q8_0 too) and never to an exact weight."""
     w = torch.randn(40, 96)
     w[1, :32] = 0  # an all-zero group rounds to zeros, not NaNs
-    c = compact.quantize_q8(w)
+    c = getattr(compact, f"quantize_{kind}")(w)
     r = native._library().smallm_pack_rows()  # rows are packed in blocks of r, the last one zero-padded
-    assert c.kind == "q8" and (c.out_features, c.in_features) == (40, 96) and c.nbytes <= -(-40 // r) * r * 96 * 1.125
+    per_weight = {"q8": 1.125, "q4": 0.75}[kind]
+    assert c.kind == kind and (c.out_features, c.in_features) == (40, 96)
+    assert c.nbytes <= -(-40 // r) * r * 96 * per_weight
     rounded = compact.gemm(torch.eye(96), c).T  # one-hot rows read the rounded weights back: [40, 96]
-    step = w.view(40, 3, 32).abs().amax(-1, keepdim=True) / 127
-    assert bool(((rounded - w).view(40, 3, 32).abs() <= step / 2 + 1e-7).all())
+    groups = w.view(40, 3, 32)
+    step = (groups.abs().amax(-1, keepdim=True) / 127 if kind == "q8"
+            else (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15)
+    assert bool(((rounded - w).view(40, 3, 32).abs() <= step / 2 + 1e-6).all())
     assert bool((rounded[1, :32] == 0).all()) and bool(torch.isfinite(rounded).all())
+    torch.testing.assert_close(rounded, compact.rounded(w, kind), rtol=0, atol=1e-6)
     x = torch.randn(5, 96)
     torch.testing.assert_close(compact.gemm(x, c), x @ rounded.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
-        compact.quantize_q8(torch.randn(8, 40))  # not whole groups
-    assert kernels.Q8_KEY in _shape_key(w, bf16=True, q8=True)
-    assert kernels.Q8_KEY not in _shape_key(w, bf16=False, q8=True)  # an exact weight never
+        getattr(compact, f"quantize_{kind}")(torch.randn(8, 40))  # not whole groups
+    assert f"~{kind}" in _shape_key(w, bf16=True, quant=kind)
+    assert f"~{kind}" not in _shape_key(w, bf16=False, quant=kind)  # an exact weight never
     table = KernelTable(None, rows=(1, 2))
-    assert "native_q8" in table._offered(_shape_key(w, bf16=True, q8=True))
-    assert "native_q8" not in table._offered(_shape_key(w, bf16=True))
+    offered = table._offered(_shape_key(w, bf16=True, quant=kind))
+    assert "native_q8" in offered and ("native_q4" in offered) == (kind == "q4")
+    assert not {"native_q8", "native_q4"} & set(table._offered(_shape_key(w, bf16=True)))

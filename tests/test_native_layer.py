@@ -250,22 +250,23 @@ def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
 
 
 @needs_compiler
-def test_a_drafter_under_q8_gets_its_native_layer_in_q8_blocks(base, forced, monkeypatch):
-    """draft_precision=q8: the drafter's block may also run natively from Q8_0 blocks of its weights (layer.c's q8
-    form, checked to the bf16 tolerance against its exact lean forward) where that way measures fastest; the base's
-    layers stay exact, and decoding stays lossless."""
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_a_drafter_under_block_rounding_gets_its_native_layer_in_blocks(base, forced, monkeypatch, kind):
+    """draft_precision=q8 / q4: the drafter's block may also run natively from Q8_0 / Q4_1 blocks of its weights
+    (layer.c's q8 / q4 form, checked to float32 rounding against its lean forward on the rounded numbers) where that way
+    measures fastest; the base's layers stay exact, and decoding stays lossless."""
     monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
-        r: {"lean": 3.0, **{way: 2.0 if way != "q8" else 1.0 for way in ways}} for r in counts})
+        r: {"lean": 3.0, **{way: 2.0 if way != kind else 1.0 for way in ways}} for r in counts})
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
     block = lean(drafter.exits[0].blocks[0])
     prompts = [list(range(30, 49))]
-    cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3, draft_precision="q8")
-    with measured_kernels(base, drafter, table=table(), bf16=[drafter], q8=True):
-        assert block.native is not None and block.native.form == "q8" and block.native.rounded
-        assert all(isinstance(p, Compact) and p.kind == "q8" for p in block.native.packed)
+    cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3, draft_precision=kind)
+    with measured_kernels(base, drafter, table=table(), bf16=[drafter], quant=kind):
+        assert block.native is not None and block.native.form == kind and block.native.rounded
+        assert all(isinstance(p, Compact) and p.kind == kind for p in block.native.packed)
         assert all(not lean(layer).native.rounded for layer in base.layers)  # the base's own: exact
         fast = generate(base, prompts, drafter, cfg)
     stock = generate(base, prompts, drafter, dataclasses.replace(cfg, cpu_kernels="stock"))
     assert fast.tokens.tolist() == stock.tokens.tolist()
-    odd = native_layer._operand(table(), "q8")(torch.randn(64, 40))  # rows that are not whole groups of 32 ...
+    odd = native_layer._operand(table(), kind)(torch.randn(64, 40))  # rows that are not whole groups of 32 ...
     assert isinstance(odd, native.Packed) and odd.blocks.dtype == torch.bfloat16  # ... keep their bfloat16 copy

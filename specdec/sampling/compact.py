@@ -184,20 +184,59 @@ def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous()
 
 
-@torch.no_grad()
-def quantize_q8(w: torch.Tensor) -> Compact:
-    """w ROUNDED to llama.cpp's Q8_0 (per 32 weights of a row: d = their largest magnitude / 127 in float32, q =
-    round(w / d)) in the q8 layout: not an exact form, so only for a drafter's weights (draft_precision=q8), where a
-    rounded weight changes what is drafted, never what the base accepts. Each weight moves by at most d/2, 1/254 of its
-    group's largest; raises where a row is not whole groups."""
+def _rounding_groups(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w [O, I] as [O, I/32, 32]; raises where it is not float32 CPU rows of whole groups."""
     o, i = w.shape
     if i % GROUP or w.dtype != torch.float32 or w.device.type != "cpu":
-        raise ValueError(f"Q8_0 blocks need float32 CPU rows of whole groups of {GROUP}, got {tuple(w.shape)} "
+        raise ValueError(f"{kind} blocks need float32 CPU rows of whole groups of {GROUP}, got {tuple(w.shape)} "
                          f"{w.dtype}")
-    g = w.detach().view(o, i // GROUP, GROUP)
-    d = g.abs().amax(-1, keepdim=True) / 127  # [O, G, 1]
-    q = _codes(g, d, -127, 127).to(torch.int8).view(o, i)
-    return Compact("q8", pack_q8(d.squeeze(-1), q), o, i)
+    return w.detach().view(o, i // GROUP, GROUP)
+
+
+def _q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 rounding (per 32 weights of a row: d = their largest magnitude / 127 in float32, q = round(w /
+    d)): d [O, G, 1], q [O, G, 32]."""
+    g = _rounding_groups(w, "Q8_0")
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return d, _codes(g, d, -127, 127)
+
+
+def _q4_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 rounding with float32 scales (per 32 weights of a row: m = their minimum, d = their range / 15,
+    q = round((w − m) / d) in 0..15): d, m [O, G, 1], q [O, G, 32]."""
+    g = _rounding_groups(w, "Q4_1")
+    m = g.amin(-1, keepdim=True)
+    d = (g.amax(-1, keepdim=True) - m) / 15
+    return d, m, _codes(g - m, d, 0, 15)
+
+
+@torch.no_grad()
+def quantize_q8(w: torch.Tensor) -> Compact:
+    """w ROUNDED to Q8_0 blocks (`_q8_rounded`) in the q8 layout: not an exact form, so only for a drafter's weights
+    (draft_precision=q8 or q4), where a rounded weight changes what is drafted, never what the base accepts. Each
+    weight moves by at most d/2, 1/254 of its group's largest; raises where a row is not whole groups."""
+    d, q = _q8_rounded(w)
+    return Compact("q8", pack_q8(d.squeeze(-1), q.to(torch.int8).flatten(1)), *w.shape)
+
+
+@torch.no_grad()
+def quantize_q4(w: torch.Tensor) -> Compact:
+    """w ROUNDED to Q4_1 blocks (`_q4_rounded`) in the q4 layout (0.75 bytes per weight against Q8_0's 1.125): for a
+    drafter's weights under draft_precision=q4, as quantize_q8. Each weight moves by at most d/2, 1/30 of its group's
+    range; raises where a row is not whole groups."""
+    d, m, q = _q4_rounded(w)
+    return Compact("q4", pack_q4(d.squeeze(-1), m.squeeze(-1), q.to(torch.uint8).flatten(1)), *w.shape)
+
+
+@torch.no_grad()
+def rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 weight [O, I] that quantize_q8 / quantize_q4 (kind q8 | q4) multiply with: what their products are
+    checked against."""
+    if kind == "q8":
+        d, q = _q8_rounded(w)
+        return (d * q).flatten(1)
+    d, m, q = _q4_rounded(w)
+    return torch.addcmul(m, d, q).flatten(1)  # d·q + m, as the kernel's fma (one rounding)
 
 
 def gemm(x: torch.Tensor, c: Compact) -> torch.Tensor:

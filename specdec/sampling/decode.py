@@ -78,7 +78,8 @@ class SamplerConfig:
     # q8 (the default) = as bf16, and the drafter's linears and native layers may also multiply with its weights rounded
     # to llama.cpp's Q8_0 blocks (1.125 bytes per weight; each moves by at most 1/254 of its block's largest), where
     # that measures faster (prophet recipe, γ = 3, 2-core Xeon: 18 % less drafting per round than bf16, τ unchanged;
-    # experiments/results/ab/prophet_draft_precision_q8.md).
+    # experiments/results/ab/prophet_draft_precision_q8.md). q4 = as q8, and Q4_1 blocks too (0.75 bytes per weight;
+    # each moves by at most 1/30 of its block's range).
     draft_precision: str = "q8"
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the
@@ -99,8 +100,8 @@ class SamplerConfig:
             (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
             (self.cuda_kernels in ("measured", "stock"),
              f"cuda_kernels must be measured or stock, got {self.cuda_kernels!r}"),
-            (self.draft_precision in ("fp32", "bf16", "q8"),
-             f"draft_precision must be fp32, bf16 or q8, got {self.draft_precision!r}"),
+            (self.draft_precision in ("fp32", "bf16", "q8", "q4"),
+             f"draft_precision must be fp32, bf16, q8 or q4, got {self.draft_precision!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
             (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
             (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
@@ -308,7 +309,8 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     round is a lookup round depends on every row of the batch)."""
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     drafters = [drafter] if drafter is not None else []
-    bf16 = drafters if cfg.draft_precision in ("bf16", "q8") else []  # the drafter's weights may be rounded
+    bf16 = drafters if cfg.draft_precision != "fp32" else []  # the drafter's weights may be rounded
+    quant = cfg.draft_precision if cfg.draft_precision in ("q8", "q4") else ""  # ... to these blocks too
     curve = None
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
@@ -318,7 +320,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
     gpu = cfg.cuda_kernels == "measured" and base.device.type == "cuda"
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
-                           compact=cfg.compact_weights, q8=cfg.draft_precision == "q8") if fast
+                           compact=cfg.compact_weights, quant=quant) if fast
           else cuda_kernels.measured(base, *drafters) if gpu else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 

@@ -20,7 +20,8 @@ A drafter's linears may also be offered the BF16 candidates, which multiply with
 the bytes to stream; x and the sums stay float32): a rounded drafter weight changes what is drafted, never what the
 base accepts, so verification stays lossless. They are measured beside the exact ones and used only where faster,
 under a shape key of their own; the base's products never see them. Under draft_precision=q8 they are also offered
-the Q8 candidate: the weight rounded to llama.cpp's Q8_0 blocks (1.125 bytes per weight, the compact q8 kernel).
+the Q8 candidate: the weight rounded to llama.cpp's Q8_0 blocks (1.125 bytes per weight, the compact q8 kernel); under
+q4 the Q4 one too (Q4_1 blocks, 0.75 bytes per weight, the compact q4 kernel).
 
 A weight that holds its float32 numbers in an exact compact form (compact.py: a GGUF's Q4_1 / Q8_0 blocks, or bfloat16
 values) is also offered the COMPACT candidate, which multiplies with exactly those numbers from a fifth to a half of
@@ -69,6 +70,8 @@ WHOLE_MARGIN = 1.05
 class Candidate:
     run: Kernel  # (x [M, I], pack(w)) -> x·Wᵀ [M, O], contiguous
     pack: Callable[[torch.Tensor], Any] | None = None  # weight [O, I] -> the operand `run` reads; None: w
+    # a rounding candidate's: weight -> the float32 weight its operand holds, whose product it is checked against
+    rounded: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -150,15 +153,19 @@ BF16: dict[str, Candidate] = {
     "linear_bf16": Candidate(_linear_bf16, _to_bf16),
 }
 BF16_KEY = "~bf16"  # shape-key suffix of a weight that may take the BF16 candidates
-# the weight rounded to llama.cpp's Q8_0 blocks (compact.quantize_q8): for a drafter's linears under draft_precision=q8,
-# offered beside the BF16 ones
-Q8: dict[str, Candidate] = {"native_q8": Candidate(compact.gemm, compact.quantize_q8)}
-Q8_KEY = "~q8"  # shape-key suffix (after BF16_KEY) of a weight that may take the Q8 candidates too
+# the weight rounded to llama.cpp's Q8_0 or Q4_1 blocks (compact.quantize_q8 / quantize_q4): for a drafter's linears
+# under draft_precision=q8 (Q8_0) or q4 (either), offered beside the BF16 ones, under shape keys suffixed "~q8" / "~q4"
+QUANT: dict[str, Candidate] = {
+    f"native_{kind}": Candidate(compact.gemm, getattr(compact, f"quantize_{kind}"),
+                                lambda w, k=kind: compact.rounded(w, k))
+    for kind in ("q8", "q4")}
+QUANT_LEVELS = {"q8": ("native_q8",), "q4": ("native_q8", "native_q4")}  # draft_precision -> the candidates it offers
 # the weight's own float32 numbers from their exact compact form: exact, offered to weights that have one
 COMPACT: dict[str, Candidate] = {"native_compact": Candidate(compact.gemm, compact.pack)}
 COMPACT_KEY = "~exact-"  # shape-key suffix (+ the form's kind) of a weight that may take the COMPACT candidate
 # A candidate passes its check when within this fraction of the output's largest magnitude of the exact product (a
 # bf16 weight is off by up to 2^-9 of itself; the sum of 576-1536 such products stays well inside 2 %)
+# (a rounding candidate is checked against the product of the weight it rounded to, so to the exact tolerance)
 TOLERANCE = {"exact": 1e-3, "bf16": 2e-2}
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
@@ -184,12 +191,12 @@ class KernelTable:
 
     def __init__(self, path: Path | str | None = DEFAULT_CACHE, candidates: dict[str, Candidate] | None = None,
                  rows: tuple[int, ...] = ROWS, bf16: dict[str, Candidate] | None = None,
-                 compact: dict[str, Candidate] | None = None, q8: dict[str, Candidate] | None = None):
+                 compact: dict[str, Candidate] | None = None, quant: dict[str, Candidate] | None = None):
         self.path = Path(path).expanduser() if path is not None else None
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
         self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys with BF16_KEY
         self.compact = dict(COMPACT if compact is None else compact)  # offered to shape keys with COMPACT_KEY
-        self.q8 = dict(Q8 if q8 is None else q8)  # offered to shape keys with Q8_KEY
+        self.quant = dict(QUANT if quant is None else quant)  # offered to shape keys with a "~q8" / "~q4" suffix
         self.rows = rows
         self.key = machine_key()
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}
@@ -206,7 +213,7 @@ class KernelTable:
         self.remeasured: list[str] = []  # shapes a re-check found measured on a busy machine (measured again)
         # what a stored choice was made among: a table measured before a candidate was added (or the native source
         # changed) never saw it, so it is measured again rather than re-checked shape by shape
-        self.signature = _signature({**self.candidates, **self.bf16, **self.compact, **self.q8})
+        self.signature = _signature({**self.candidates, **self.bf16, **self.compact, **self.quant})
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
             if stored.get("candidates") != self.signature:
@@ -218,19 +225,22 @@ class KernelTable:
 
     # -- measuring -------------------------------------------------------------------------------------
     def _offered(self, shape: str) -> dict[str, Candidate]:
-        """The candidates a shape key may use: the exact ones, the BF16 ones for a drafter's weights (and the Q8 ones
-        under draft_precision=q8) and the COMPACT ones for weights with an exact compact form."""
-        return {**self.candidates, **(self.bf16 if BF16_KEY in shape else {}), **(self.q8 if Q8_KEY in shape else {}),
+        """The candidates a shape key may use: the exact ones, the BF16 ones for a drafter's weights (and the QUANT ones
+        of its level under draft_precision=q8 or q4) and the COMPACT ones for weights with an exact compact form."""
+        level = next((lv for lv in QUANT_LEVELS if f"~{lv}" in shape), None)
+        quant = {n: c for n, c in self.quant.items() if level is not None and n in QUANT_LEVELS[level]}
+        return {**self.candidates, **(self.bf16 if BF16_KEY in shape else {}), **quant,
                 **(self.compact if COMPACT_KEY in shape else {})}
 
-    def prepare(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False, q8: bool = False) -> None:
+    def prepare(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False, quant: str = "") -> None:
         """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
         (once per process) the stored choice of the others, and measure again a shape that fails it. bf16: the
-        weights may also take the BF16 candidates (a drafter's, when the sampler allows it), and with q8 the Q8 ones;
-        compact: the COMPACT ones, those that have an exact compact form."""
+        weights may also take the BF16 candidates (a drafter's, when the sampler allows it), and with quant ("q8" or
+        "q4", its draft_precision) that level's QUANT ones; compact: the COMPACT ones, those that have an exact
+        compact form."""
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
-            by_shape.setdefault(_shape_key(w, bf16, compact, q8), []).append(w)
+            by_shape.setdefault(_shape_key(w, bf16, compact, quant), []).append(w)
         t0 = time.perf_counter()
         stale = [s for s, ws in by_shape.items() if s in self.choice and s not in self._checked and self._stale(s, ws)]
         self._checked.update(by_shape)
@@ -291,12 +301,13 @@ class KernelTable:
         size = sum(w.numel() * w.element_size() for w in ws)
         cold = size < STREAM_BYTES and size >= len(ws) * COLD_BYTES and native.available()
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
-        reference = F.linear(x, ws[0])
+        exact = F.linear(x, ws[0])
         usable = {}
         for name, cand in offered.items():
-            tol = TOLERANCE["bf16" if name in self.bf16 or name in self.q8 else "exact"]
+            tol = TOLERANCE["bf16" if name in self.bf16 else "exact"]
             try:  # a kernel missing from this build, or wrong, is left out
                 operands = [cand.pack(w) for w in ws] if cand.pack else ws
+                reference = F.linear(x, cand.rounded(ws[0])) if cand.rounded else exact
                 if not torch.allclose(cand.run(x, operands[0]), reference, rtol=tol,
                                       atol=tol * float(reference.abs().max())):
                     continue
@@ -321,11 +332,11 @@ class KernelTable:
 
     @torch.no_grad()
     def arbitrate(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False,
-                  q8: bool = False) -> dict[int, str]:
+                  quant: str = "") -> dict[int, str]:
         """{rows: kernel} for the row counts at which one kernel for every weight beats the per-shape choices over a
         pass of `weights` (a model's, in the order a forward multiplies with them); measured once per machine and
         model (cached with the table), after `prepare` (with the same `bf16` and `compact`)."""
-        keys = [_shape_key(w, bf16, compact, q8) for w in weights]
+        keys = [_shape_key(w, bf16, compact, quant) for w in weights]
         model = hashlib.sha1(" ".join(keys).encode()).hexdigest()[:16]
         if model in self.uniform:
             return self.uniform[model]
@@ -333,7 +344,8 @@ class KernelTable:
         found = {}
         for rows in (r for r in WHOLE_ROWS if r in self.rows):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-            passes = {"": [(p, w) for w in weights for p in [self.plan(w, bf16=bf16, compact=compact, q8=q8)[rows]]]}
+            passes = {"": [(p, w) for w in weights
+                           for p in [self.plan(w, bf16=bf16, compact=compact, quant=quant)[rows]]]}
             for name, cand in {n: c for k in set(keys) for n, c in self._offered(k).items()}.items():
                 try:  # a kernel that fails on any of the shapes cannot serve them all
                     ops = [(cand.run, self.operand(name, w)) for w in weights]
@@ -368,11 +380,11 @@ class KernelTable:
 
     # -- using -----------------------------------------------------------------------------------------
     def plan(self, weight: torch.Tensor, uniform: dict[int, str] | None = None, bf16: bool = False,
-             compact: bool = False, q8: bool = False) -> list[tuple[Kernel, torch.Tensor] | None]:
+             compact: bool = False, quant: str = "") -> list[tuple[Kernel, torch.Tensor] | None]:
         """(kernel, operand) per row count 0..max(rows) for this weight (the smallest measured bucket ≥ rows; uniform:
-        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`; bf16, compact, q8: as `prepare`'s);
+        {bucket: kernel} that overrides the weight's own choice, see `arbitrate`; bf16, compact, quant: as `prepare`'s);
         None where plain F.linear was fastest (so the common path pays no extra call)."""
-        names = self._names(_shape_key(weight, bf16, compact, q8))
+        names = self._names(_shape_key(weight, bf16, compact, quant))
         if uniform:
             buckets = [None] + [min((b for b in self.rows if b >= r), default=None) for r in range(1, len(names))]
             names = [uniform.get(b, n) if b is not None else n for b, n in zip(buckets, names)]
@@ -391,7 +403,7 @@ class KernelTable:
         return names
 
     def _candidate(self, name: str) -> Candidate:
-        return self.candidates.get(name) or self.bf16.get(name) or self.q8.get(name) or self.compact[name]
+        return self.candidates.get(name) or self.bf16.get(name) or self.quant.get(name) or self.compact[name]
 
     def operand(self, name: str, weight: torch.Tensor) -> Any:
         """The candidate's packed weight, made once per weight (and again if the weight changed in place); it is
@@ -448,10 +460,10 @@ def _signature(candidates: dict[str, Candidate]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _shape_key(w: torch.Tensor, bf16: bool = False, compact_ok: bool = False, q8: bool = False) -> str:
+def _shape_key(w: torch.Tensor, bf16: bool = False, compact_ok: bool = False, quant: str = "") -> str:
     # a drafter's weight may hold an exact form too (a frozen copy of base rows: a draft vocab's lm_head)
     key = f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}" + (BF16_KEY if bf16 else "")
-    key += Q8_KEY if bf16 and q8 else ""
+    key += f"~{quant}" if bf16 and quant else ""
     form = compact.form(w) if compact_ok and w.device.type == "cpu" else None
     return key + (COMPACT_KEY + form.kind if form is not None else "")
 
@@ -470,14 +482,15 @@ def default_table() -> KernelTable:
 @contextmanager
 def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean: bool = True,
                      bf16: Collection[nn.Module] = (), native_layers: bool = True,
-                     compact: bool = True, q8: bool = False) -> Iterator[KernelTable]:
+                     compact: bool = True, quant: str = "") -> Iterator[KernelTable]:
     """Within the block, every CPU nn.Linear of `modules` multiplies with the kernel measured fastest for its
     shape and row count. Shapes never seen on this machine are measured on entry (see `table.measure_s`).
     lean: the decoder layers run by specdec.sampling.lean multiply through their fused q|k|v and gate|up linears,
     so those are patched (and measured) instead of the five they stand for. Each module's products are then
     arbitrated as a whole (`table.arbitrate`, once per machine and model). bf16: those of `modules` (drafters) whose
     linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
-    lm_head) stays exact; q8: those may also take the Q8 candidates (draft_precision=q8). native_layers (with lean):
+    lm_head) stays exact; quant: those may also take that level's QUANT candidates (draft_precision=q8 or q4).
+    native_layers (with lean):
     each module's lean layers also run as one native call each where a pass through them measures faster so
     (native_layer.attach, after the products are patched). compact: the weights that have an exact compact form
     (compact.py) may also be multiplied from it, and the native layers hold them so where that measures faster."""
@@ -491,14 +504,14 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     groups = [([m for m in ms if id(m) not in exact] if reduced else ms, reduced) for ms, reduced in groups]
     for reduced in (False, True):
         table.prepare([m.weight for ms, r in groups if r == reduced for m in ms], bf16=reduced, compact=compact,
-                      q8=q8)
+                      quant=quant)
     chosen = {}  # id -> (linear, the row counts its module runs with one kernel for all, bf16)
     for ms, reduced in groups:
-        uniform = table.arbitrate([m.weight for m in ms], bf16=reduced, compact=compact, q8=q8) if ms else {}
+        uniform = table.arbitrate([m.weight for m in ms], bf16=reduced, compact=compact, quant=quant) if ms else {}
         chosen.update({id(m): (m, uniform, reduced) for m in ms if id(m) not in chosen})
     patched = []
     for lin, uniform, reduced in chosen.values():
-        plan = table.plan(lin.weight, uniform, bf16=reduced, compact=compact, q8=q8)
+        plan = table.plan(lin.weight, uniform, bf16=reduced, compact=compact, quant=quant)
         if any(plan) and "forward" not in lin.__dict__:  # nested use keeps the outer plan
             lin.forward = _forward(lin, plan)
             patched.append(lin)
@@ -506,7 +519,7 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     # drafter's in bfloat16 where its products may be, the layers another module runs too excepted)
     held = {fast for mod in modules if not any(mod is b for b in bf16) for fast in lean_layers(mod)} if lean else ()
     attached = [fast for mod in modules if lean and native_layers
-                for fast in native_layer.attach(mod, table, any(mod is b for b in bf16), held, compact, q8)]
+                for fast in native_layer.attach(mod, table, any(mod is b for b in bf16), held, compact, quant)]
     try:
         yield table
     finally:

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from specdec.sampling.kernels import KernelTable
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows run the lean layer
-BF16_TOLERANCE = 2e-2  # a layer with bfloat16 weights against the exact lean one (kernels.TOLERANCE["bf16"])
 PROMPT = 128  # the cached window the measurement attends over (a short prompt, as make bench's)
 
 
@@ -65,14 +64,14 @@ def _scratch(floats: int) -> torch.Tensor:
 class NativeLayer:
     """One LeanLayer's forward through layer.c (see the module docstring); `operand(weight)` -> the copy of it layer.c
     reads (native.Packed or compact.Compact), as `form` makes them: exact = float32, bf16 = rounded to bfloat16 (a
-    drafter's, draft_precision=bf16), q8 = rounded to Q8_0 blocks where its rows are whole groups of 32, else to
-    bfloat16 (a drafter's, draft_precision=q8), compact = each weight's exact compact form where it has one, else
-    float32."""
+    drafter's, draft_precision=bf16), q8 / q4 = rounded to Q8_0 / Q4_1 blocks where its rows are whole groups of 32,
+    else to bfloat16 (a drafter's, draft_precision=q8 or q4), compact = each weight's exact compact form where it has
+    one, else float32."""
 
     def __init__(self, fast: LeanLayer, operand, form: str = "exact"):
         self.fast, self.form = fast, form
-        # its products are rounded (checked to the kernel table's bf16 tolerance, not float32 rounding)
-        self.rounded = form in ("bf16", "q8")
+        # its products multiply with rounded weights (checked against the lean layer on those very numbers: `held`)
+        self.rounded = form in ("bf16", "q8", "q4")
         norm1, norm2, o_proj, down_proj, act = fast._parts
         self.lib = native._library()
         self.weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
@@ -84,6 +83,14 @@ class NativeLayer:
         s.weights[:] = [p.blocks.data_ptr() for p in self.packed]
         s.formats[:] = [FORMATS[_held_as(p)] for p in self.packed]
         (s.norm1, s.norm2), s.eps = (m.weight.data_ptr() for m in fast.norms), fast.norms[0].variance_epsilon
+
+    def held(self) -> list[torch.Tensor]:
+        """The float32 weights layer.c multiplies with, one per product: the layer's own, or for a rounded form the
+        numbers its copies round them to."""
+        if not self.rounded:
+            return list(self.weights)  # float32 copies, or exact compact forms: the same numbers
+        return [w.to(torch.bfloat16).float() if _held_as(p) == "bfloat16" else compact.rounded(w, p.kind)
+                for w, p in zip(self.weights, self.packed)]
 
     @property
     def current(self) -> bool:
@@ -206,16 +213,21 @@ def build(fast: LeanLayer, operand, form: str = "exact") -> NativeLayer | None:
 @torch.no_grad()
 def agrees(layer: NativeLayer, n: int = 3) -> bool:
     """Whether the native layer gives the lean layer's output on n random tokens after a few cached ones (causal
-    mask) and on one token that sees the whole window (no mask): what it adds to its input, to float32 rounding, or
-    for a bfloat16 one to the kernel table's bf16 tolerance. The lean layer multiplies with PyTorch's own exact
-    products for it: inside `measured_kernels` a drafter's may be patched to round its weights to bfloat16."""
+    mask) and on one token that sees the whole window (no mask): what it adds to its input, to float32 rounding. The
+    lean layer multiplies with PyTorch's own products for it, of the numbers the native one holds (`held`: a rounded
+    form's rounded weights), whatever `measured_kernels` patched in."""
     fast = layer.fast
     _, _, o_proj, down_proj, _ = fast._parts
-    patched = {l: l.__dict__.pop("forward") for l in (fast.qkv, o_proj, fast.gate_up, down_proj)
-               if "forward" in l.__dict__}
+    linears = (fast.qkv, o_proj, fast.gate_up, down_proj)
+    patched = {l: l.__dict__.pop("forward") for l in linears if "forward" in l.__dict__}
+    if layer.rounded:
+        for l, w in zip(linears, layer.held()):
+            l.forward = lambda x, w=w: F.linear(x, w)
     try:
         return _agrees(layer, n)
     finally:
+        for l in linears:
+            l.__dict__.pop("forward", None)
         for l, forward in patched.items():
             l.forward = forward
 
@@ -246,8 +258,7 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
         if got is None or not bool(torch.isfinite(got).all()):
             return False
         # compared on what the layer adds to its input: the residual would hide an error in it
-        tolerance = BF16_TOLERANCE if layer.rounded else 1e-4
-        if float((got - ref).abs().max()) > tolerance * float((ref - hidden).abs().max()):
+        if float((got - ref).abs().max()) > 1e-4 * float((ref - hidden).abs().max()):
             return False
     return True
 
@@ -294,12 +305,13 @@ _CHECKED: set[str] = set()  # stacks whose stored timings this process has re-ch
 
 
 def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Collection[LeanLayer] = (),
-           compact: bool = True, q8: bool = False) -> list[LeanLayer]:
+           compact: bool = True, quant: str = "") -> list[LeanLayer]:
     """Give `module`'s lean layers, per row count, the native form that a pass through the stack of them measured
     fastest, where one beat the lean layers (measured once per machine and stack, stored in `table`, and re-checked
     once per process at one row). The ways measured: "native" (float32 weights; bfloat16 copies where bf16, a
-    drafter's, except for layers in `exact`: the base's, which a drafter may run too), with bf16 and q8 also "q8" (those
-    bfloat16 copies as Q8_0 blocks instead) and, where compact and some weight has an exact compact form (compact.py),
+    drafter's, except for layers in `exact`: the base's, which a drafter may run too), with bf16 and quant (q8 or q4)
+    also "q8" (those bfloat16 copies as Q8_0 blocks instead), and under q4 "q4" (as Q4_1 blocks) and, where compact
+    and some weight has an exact compact form (compact.py),
     "compact" (those forms, the rest as "native"). Returns the layers it attached to (for `detach`); a layer already
     attached (nested use) is left."""
     fasts = [f for f in lean_layers(module) if not f.native_rows]
@@ -309,9 +321,11 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
     def forms(exact_form: str, rounded: str = "bf16") -> dict[LeanLayer, NativeLayer]:
         return stack(fasts, table, lambda f: rounded if bf16 and f not in exact else exact_form)
 
+    from specdec.sampling.kernels import QUANT_LEVELS  # (kernels imports this module)
+
     ways = {"native": forms("exact")}
-    if bf16 and q8:
-        ways["q8"] = forms("exact", "q8")
+    for name in QUANT_LEVELS.get(quant, ()) if bf16 else ():  # "native_q8", "native_q4": forms "q8", "q4"
+        ways[name.removeprefix("native_")] = forms("exact", name.removeprefix("native_"))
     if compact:
         held = forms("compact")
         if any(isinstance(p, Compact) for l in held.values() if l.form == "compact" for p in l.packed):
@@ -379,17 +393,18 @@ def _operand(table: KernelTable, form: str):
     if form == "compact":
         exact = _operand(table, "exact")
         return lambda w: compact.form(w) or exact(w)
-    if form == "q8":  # the table's own rounding where it offers it (then shared with the products' kernel)
-        rounded = (lambda w: table.operand("native_q8", w)) if "native_q8" in table.q8 else compact.quantize_q8
+    if form in ("q8", "q4"):  # the table's own rounding where it offers it (then shared with the products' kernel)
+        name = f"native_{form}"
+        rounded = (lambda w: table.operand(name, w)) if name in table.quant else getattr(compact, f"quantize_{form}")
         copy = _operand(table, "bf16")
 
-        def q8(w: torch.Tensor):
+        def blocks(w: torch.Tensor):
             try:
                 return rounded(w)
             except ValueError:  # rows that are not whole groups of 32: its bfloat16 copy (layer.c reads either)
                 return copy(w)
 
-        return q8
+        return blocks
     name = "native_packed_bf16" if form == "bf16" else "native_packed"
     if name in table.candidates or name in table.bf16:
         return lambda w: table.operand(name, w)
