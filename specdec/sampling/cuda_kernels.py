@@ -27,7 +27,8 @@ T_1 2.16 ms against 2.22 for cuBLAS and SDPA throughout, v(5) 1.31 against 1.43,
 The measured kernels run only inside CUDA graph recordings, where they were timed. Launched from Python a Triton kernel
 costs far more than cuBLAS's launch: in that session's run, before this rule, the lm_head after each recorded forward
 (Triton at one row) held our AR loop at 244 tok/s against 260 with PyTorch's kernels, and a dynamic tree, drafted op by
-op, fell to 0.52x our AR loop from 0.77x. So a product outside a graph stays cuBLAS's (not yet re-measured on a GPU)."""
+op, fell to 0.52x our AR loop from 0.77x. So a product outside a graph stays cuBLAS's (tested on the H200; its speed
+not yet measured)."""
 
 from __future__ import annotations
 
