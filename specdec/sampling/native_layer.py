@@ -310,10 +310,9 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
     fastest, where one beat the lean layers (measured once per machine and stack, stored in `table`, and re-checked
     once per process at one row). The ways measured: "native" (float32 weights; bfloat16 copies where bf16, a
     drafter's, except for layers in `exact`: the base's, which a drafter may run too), with bf16 and quant (q8 or q4)
-    also "q8" (those bfloat16 copies as Q8_0 blocks instead), and under q4 "q4" (as Q4_1 blocks) and, where compact
-    and some weight has an exact compact form (compact.py),
-    "compact" (those forms, the rest as "native"). Returns the layers it attached to (for `detach`); a layer already
-    attached (nested use) is left."""
+    also "q8" (those bfloat16 copies as Q8_0 blocks instead), under q4 "q4" too (as Q4_1 blocks), and, where compact
+    and some weight has an exact compact form (compact.py), "compact" (those forms, the rest as "native"). Returns the
+    layers it attached to (for `detach`); a layer already attached (nested use) is left."""
     fasts = [f for f in lean_layers(module) if not f.native_rows]
     if not fasts:
         return []
