@@ -5,8 +5,8 @@ or more with float32 GEMM kernels made for large tiles: the 121 products of a Sm
 one row and 1,311 µs at five (experiments/results/profile_verify/h200_before), most of the reason a verify of 5 tokens
 cost 1.44 decode steps. `small_m_linear` runs Triton kernels for up to 16 rows, of two kinds (CONFIGS): each program
 reads a block of W's rows once for all the x rows (x·Wᵀ, float32 products and sums, the order of the sum its own),
-either as a 16-row tile for tl.dot or, a matrix-vector kernel over the call's own rows, as elementwise products summed
-once at the end; optionally over a slice of the inputs (split-K, the slices summed by one more kernel, so the result
+either through tl.dot on a 16-row tile or, a matrix-vector kernel over the call's own rows, as elementwise products
+summed once at the end; optionally over a slice of the inputs (split-K, the slices summed by one more kernel, so the result
 does not depend on timing). And SDPA with an additive mask runs the memory-efficient attention kernel; for a few
 queries the same formula as two matmuls and a softmax (`math_attention`) was faster there (v(5) 1.35 against 1.44 with
 everything else the same).
@@ -53,7 +53,7 @@ MAX_ROWS = 16  # one block of x rows per program (tl.dot's smallest tile side)
 # - "dot": x rows padded to a 16-row tile, one tl.dot per step (float32 FMAs);
 # - "rows": as many x rows as the call has (the next power of two: one compiled variant per bucket), each step's
 #   products summed elementwise into a [rows, outputs, inputs] register block and reduced once at the end: a
-#   matrix-vector kernel that reads each weight once for all rows, so its time barely grows with them.
+#   matrix-vector kernel that reads each weight once for all rows.
 # A grid that spans few wide programs (a large weight) to many narrow ones over input slices (576-1536 inputs, 576-3072
 # outputs: too few programs else).
 CONFIGS: dict[str, tuple[str, int, int, int, int, int]] = {
