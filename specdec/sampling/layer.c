@@ -199,11 +199,146 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     for (int j = 0; j < parts; j++) vstore(o + j * PLANES, acc[j] * inv);
 }
 
+/* The attention of up to PLANES queries of one kv head at once, lane l for the l-th of them (q[l], or NULL past the
+   last), over `width` keys (a run of the window: K, V and the masks start at its first). `attend`, called per (head,
+   row), spends most of its time summing each score's lanes (a shuffle chain per key) and reads the keys once per
+   query; here the queries are transposed, qt [d, PLANES], so that one key's scores for all of them are one vector,
+   st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to hide the FMA latency), the softmax runs lane-wise down the keys,
+   and each value row serves QV queries at a time. masks[l]: lane l's additive mask row or NULL (no mask at all: masks
+   NULL), whose entries are 0 before masked_from (the prompt's keys, which every row sees: only the last few keys are
+   looked up per lane). out[l]: where lane l's [d] output goes (NULL past the last query). qt: d·PLANES, st:
+   width·PLANES floats of scratch. On the 2-core Xeon (family 6 model 167), 9 heads over 3 kv heads of 64, 170 keys,
+   a layer's attention over 1 / 2 / 5 / 9 rows took 7.1 / 13.9 / 33 / 56 µs with `attend` per (head, row), 10.6 / 12.3
+   / 15.6 / 22.9 this way (thirtieth session, one process). In a forward, where the keys and values come from memory,
+   it gained at 9 rows (see `attention`). */
+#define QV (PLANES == 16 ? 4 : 2) /* queries per pass over the values: QV·d/PLANES accumulators in registers */
+static inline __attribute__((always_inline)) void attend_lanes(const float *const *q, const float *const *masks,
+                                                               int masked_from, const float *K, const float *V,
+                                                               float *qt, float *st, float *const *out, int width,
+                                                               int d, float scaling) {
+    for (int j = 0; j < d; j++)
+        for (int l = 0; l < PLANES; l++) qt[(size_t)j * PLANES + l] = q[l] ? q[l][j] : 0.f;
+    int w = 0;
+    for (; w + 8 <= width; w += 8) {
+        fvec a[8] = {{0}};
+        for (int j = 0; j < d; j++) {
+            const fvec qv = vload(qt + (size_t)j * PLANES);
+            for (int k = 0; k < 8; k++) a[k] += qv * K[(size_t)(w + k) * d + j];
+        }
+        for (int k = 0; k < 8; k++) vstore(st + (size_t)(w + k) * PLANES, a[k] * scaling);
+    }
+    for (; w < width; w++) {
+        fvec a = {0};
+        for (int j = 0; j < d; j++) a += vload(qt + (size_t)j * PLANES) * K[(size_t)w * d + j];
+        vstore(st + (size_t)w * PLANES, a * scaling);
+    }
+    if (masks)
+        for (w = masked_from; w < width; w++)
+            for (int l = 0; l < PLANES; l++)
+                if (masks[l]) st[(size_t)w * PLANES + l] += masks[l][w];
+    fvec most = splat(-3.4e38f), total = {0};
+    for (w = 0; w < width; w++) {
+        const fvec v = vload(st + (size_t)w * PLANES);
+        most = blend(v > most, v, most);
+    }
+    for (w = 0; w < width; w++) {
+        const fvec e = vexp(vload(st + (size_t)w * PLANES) - most);
+        vstore(st + (size_t)w * PLANES, e);
+        total += e;
+    }
+    const int parts = d / PLANES;
+    for (int l0 = 0; l0 < PLANES && q[l0]; l0 += QV) {
+        fvec acc[QV][16] = {{{0}}}; /* d ≤ 16·PLANES */
+        for (w = 0; w < width; w++) {
+            const float *v = V + (size_t)w * d, *p = st + (size_t)w * PLANES + l0;
+            for (int c = 0; c < parts; c++) {
+                const fvec vc = vload(v + c * PLANES);
+                for (int k = 0; k < QV; k++) acc[k][c] += vc * p[k];
+            }
+        }
+        for (int k = 0; k < QV && l0 + k < PLANES && out[l0 + k]; k++)
+            for (int c = 0; c < parts; c++) vstore(out[l0 + k] + c * PLANES, acc[k][c] * (1.0f / total[l0 + k]));
+    }
+}
+
+/* the first key where any of the n mask rows [width] is not 0 (width where none is) */
+static int masked_from(const float *mask, int n, int width) {
+    int first = width;
+    for (int r = 0; r < n; r++)
+        for (int w = 0; w < first; w++)
+            if (mask[(size_t)r * width + w] != 0.f) {
+                first = w;
+                break;
+            }
+    return first;
+}
+
 /* floats of scratch `smallm_layer` needs for n rows over a window of `width` slots on `threads` threads */
 long smallm_layer_scratch(const layer_t *L, int n, int width, int threads) {
     const long qkv = (long)(L->heads + 2 * L->kv_heads) * L->head_dim;
     const long wide = qkv > 2L * L->intermediate ? qkv : 2L * L->intermediate;
-    return (long)n * (2L * L->hidden + wide + (long)L->heads * L->head_dim + L->intermediate) + (long)threads * width;
+    return (long)n * (2L * L->hidden + wide + (long)L->heads * L->head_dim + L->intermediate)
+           + (long)threads * (width + (L->head_dim + width) * PLANES); /* attend's scores, attend_lanes' qt and st */
+}
+
+/* att [n, heads·d]: the attention of the rows' queries (q | k | v per row in wide) over the window's `width` slots,
+   mask [n, width] additive or NULL; scratch: smallm_layer_scratch's attention part, `scores` on */
+static void attention(const layer_t *L, const float *wide, int qkv_width, const float *mask, float *att, int n,
+                      int width, float *scores, int threads) {
+    const int d = L->head_dim, heads = L->heads, kv = L->kv_heads;
+    const int group = heads / kv, nq = n * group; /* a kv head's queries: (row, head of its group) in that order */
+    const int blocks = (nq + PLANES - 1) / PLANES;
+    /* attend_lanes where every thread gets two of its tasks or more: a task per kv head and PLANES queries, each
+       reading its keys and values once. With fewer tasks than that (SmolLM2, 3 kv heads: under 6 rows), one thread
+       does twice the other's and the forward gained nothing over `attend` (ab_native.py --forward on the 2-core Xeon,
+       HEAD / this: 0.99-1.01 at 3 and 5 rows, 1.02-1.04 at 9) */
+    if (n > 1 && kv * blocks >= 2 * threads) {
+        const int from = mask ? masked_from(mask, n, width) : width;
+        float *lanes = scores + (size_t)threads * width; /* per thread: qt, st */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int task = 0; task < kv * blocks; task++) {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            const int t = omp_get_thread_num();
+#else
+            const int t = 0;
+#endif
+            const int g = task / blocks, b = task % blocks;
+            const float *qs[PLANES], *ms[PLANES];
+            float *outs[PLANES];
+            for (int l = 0; l < PLANES; l++) {
+                const int i = b * PLANES + l, r = i / group, hd = g * group + i % group;
+                qs[l] = i < nq ? wide + (size_t)r * qkv_width + (size_t)hd * d : NULL;
+                ms[l] = i < nq && mask ? mask + (size_t)r * width : NULL;
+                outs[l] = i < nq ? att + (size_t)r * heads * d + (size_t)hd * d : NULL;
+            }
+            const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
+            float *qt = lanes + (size_t)t * (d + width) * PLANES, *st = qt + (size_t)d * PLANES;
+            if (d == 64)
+                attend_lanes(qs, mask ? ms : NULL, from, K, V, qt, st, outs, width, 64, L->scaling);
+            else
+                attend_lanes(qs, mask ? ms : NULL, from, K, V, qt, st, outs, width, d, L->scaling);
+        }
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int task = 0; task < heads * n; task++) {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            const int t = omp_get_thread_num();
+#else
+            const int t = 0;
+#endif
+            const int hd = task / n, r = task % n, g = hd / group;
+            const float *q = wide + (size_t)r * qkv_width + (size_t)hd * d;
+            const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
+            const float *m = mask ? mask + (size_t)r * width : NULL;
+            float *o = att + (size_t)r * heads * d + (size_t)hd * d, *sc = scores + (size_t)t * width;
+            if (d == 64)  /* the common head size as a constant: its loops unroll */
+                attend(q, K, V, m, sc, o, width, 64, L->scaling);
+            else
+                attend(q, K, V, m, sc, o, width, d, L->scaling);
+        }
+    }
 }
 
 /* The layer over h [n, H] in place (batch of one). cos, sin [n, d]: lean_rope's tables at the rows' positions;
@@ -227,7 +362,7 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
     const size_t wide_n = qkv_width > 2 * inter ? qkv_width : 2 * inter;
     float *att = wide + (size_t)n * wide_n;                      /* [n, heads·d] attention output */
     float *act = att + (size_t)n * heads * d;                    /* [n, inter] SiLU(gate)·up */
-    float *scores = act + (size_t)n * inter;                     /* [threads, width] */
+    float *scores = act + (size_t)n * inter;                     /* the attention's (see attention) */
 
     rms_norm(h, L->norm1, x, n, H, L->eps);
     product(L, QKV, x, wide, n, H, qkv_width, threads);      /* [n, (heads + 2kv)·d]: q | k | v per row */
@@ -240,25 +375,7 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
             __builtin_memcpy(L->values + at, row + (size_t)(heads + kv + g) * d, sizeof(float) * d);
         }
     }
-    const int group = heads / kv;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int task = 0; task < heads * n; task++) {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        const int t = omp_get_thread_num();
-#else
-        const int t = 0;
-#endif
-        const int hd = task / n, r = task % n, g = hd / group;
-        const float *q = wide + (size_t)r * qkv_width + (size_t)hd * d;
-        const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
-        const float *m = mask ? mask + (size_t)r * width : NULL;
-        float *o = att + (size_t)r * heads * d + (size_t)hd * d, *sc = scores + (size_t)t * width;
-        if (d == 64)  /* the common head size as a constant: its loops unroll */
-            attend(q, K, V, m, sc, o, width, 64, L->scaling);
-        else
-            attend(q, K, V, m, sc, o, width, d, L->scaling);
-    }
+    attention(L, wide, qkv_width, mask, att, n, width, scores, threads);
     product(L, OUT, att, y, n, heads * d, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
 
