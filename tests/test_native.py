@@ -3,6 +3,7 @@ odd shape, is built once per machine and cached, and without a compiler it is si
 
 from __future__ import annotations
 
+import mmap
 import shutil
 
 import pytest
@@ -139,3 +140,21 @@ def test_a_flag_set_that_fails_says_why(fresh, monkeypatch, capsys):
     errors: list[str] = []
     assert native.compile_library(native.find_compiler(), ["-DBREAK"], [broken], fresh.parent / "x.so", errors) is False
     assert len(errors) == 1 and "broken on purpose" in errors[0]
+
+
+def test_huge_page_copies_hold_the_same_numbers(monkeypatch):
+    """Weight copies go to regions advised MADV_HUGEPAGE (each a huge page aligned, copies carved one after another);
+    small tensors and a platform without the advice keep the tensor as it was."""
+    monkeypatch.setattr(native, "_arena", [None, 0])
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(300, 576, generator=g), torch.randint(0, 255, (700_000,), generator=g).to(torch.uint8)
+    ca, cb = native.huge_pages(a), native.huge_pages(b)
+    assert torch.equal(ca, a) and torch.equal(cb, b) and ca.dtype == a.dtype and ca.shape == a.shape
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: both carved from one region, the first on its start
+        assert ca.data_ptr() % native.HUGE_PAGE == 0 and ca.data_ptr() != a.data_ptr()
+        assert cb.data_ptr() == ca.data_ptr() + (a.numel() * 4 + 63) // 64 * 64
+    small = torch.randn(10, 10)
+    assert native.huge_pages(small) is small
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    monkeypatch.setattr(native, "_arena", [None, 0])
+    assert native.huge_pages(a) is a

@@ -171,7 +171,7 @@ def pack_q4(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     qb = _blocked(q, r).view(-1, r, gs, GROUP)  # [nb, R, G, 32]
     nib = qb[:, :v] | (qb[:, v:] << 4)  # [nb, V, G, 32]: row k low, row k + V high
     nib = nib.permute(0, 2, 3, 1).reshape(-1, gs, GROUP * v)  # [nb, G, 32·V]: column by column
-    return torch.cat([scales, nib], -1).reshape(-1).contiguous()
+    return native.huge_pages(torch.cat([scales, nib], -1).reshape(-1).contiguous())
 
 
 def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     gs = i // GROUP
     scales = _blocked(d, r).permute(0, 2, 1).contiguous().view(torch.uint8)  # [nb, G, R·4] bytes
     qb = _blocked(q, r).view(-1, r, gs, GROUP).permute(0, 2, 3, 1).reshape(-1, gs, GROUP * r)  # [nb, G, 32·R]
-    return torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous()
+    return native.huge_pages(torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous())
 
 
 def _rounding_groups(w: torch.Tensor, kind: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -191,6 +192,54 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                     w.shape[0])
 
 
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
+ARENA = 32 << 20  # copies are carved one after another from regions of this size (a larger one gets its own)
+HUGE_FROM = 64 << 10  # smaller copies stay where PyTorch put them
+_arena: list = [None, 0]  # the current region (uint8 tensor) and its bytes handed out
+
+
+def _region(n: int) -> torch.Tensor | None:
+    """n bytes (uint8) of a private anonymous mapping advised MADV_HUGEPAGE, starting on a huge page; None where
+    the OS offers no such advice."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:  # private: a shared anonymous mapping follows shmem's THP setting, usually never
+        region = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + n]
+
+
+def huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t copied into memory that Linux backs with 2 MB pages, or t itself (under HUGE_FROM bytes, off the CPU, or
+    where the OS offers no such advice). Copies are carved in order from shared regions of ARENA bytes, so that a
+    model's products, packed one after another, lie in one run of huge pages (SmolLM2's are 0.25-1.3 MB each).
+
+    The products stream their weights from memory once a step, and with 4 KB pages every 4 KB costs a TLB miss and
+    stops the hardware prefetcher (it does not cross a page). SmolLM2's Q8_0 lm_head (32 MB) at one row on the 2-core
+    Xeon (family 6 model 167): 1.98 ms from PyTorch's memory, 1.63 ms from huge pages (16 vs 19.5 GB/s; THP there is
+    "madvise": nothing gets huge pages unless it asks). A region is unmapped once no copy in it is left."""
+    n = t.numel() * t.element_size()
+    if n < HUGE_FROM or t.device.type != "cpu":
+        return t
+    if n > ARENA:
+        raw = _region(n)
+    else:
+        region, used = _arena
+        if region is None or used + n > ARENA:
+            region, used = _region(ARENA), 0
+        raw = None if region is None else region[used : used + n]
+        _arena[:] = [region, (used + n + 63) // 64 * 64]  # the next copy starts on a cache line
+    if raw is None:
+        return t
+    out = raw.view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 @dataclass(frozen=True)
 class Packed:
     """A weight [O, I] in smallm_packed's layout: blocks [ceil(O/R), I, R] (R = the library's pack width; block b holds
@@ -205,7 +254,7 @@ def pack(w: torch.Tensor) -> Packed:
     r = _library().smallm_pack_rows()
     o, i = w.shape
     padded = torch.cat([w, w.new_zeros(-o % r, i)]) if o % r else w
-    return Packed(padded.reshape(-1, r, i).transpose(1, 2).contiguous(), o)
+    return Packed(huge_pages(padded.reshape(-1, r, i).transpose(1, 2).contiguous()), o)
 
 
 def packed_gemm(x: torch.Tensor, w: Packed) -> torch.Tensor:
