@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.sampling import compact, native, native_layer
-from specdec.sampling.lean import decode_linears, lean_layers
+from specdec.sampling.lean import decode_linears, fuse_norms, lean_layers
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
@@ -520,11 +520,12 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     held = {fast for mod in modules if not any(mod is b for b in bf16) for fast in lean_layers(mod)} if lean else ()
     attached = [fast for mod in modules if lean and native_layers
                 for fast in native_layer.attach(mod, table, any(mod is b for b in bf16), held, compact, quant)]
+    norms = [norm for mod in modules if lean for norm in fuse_norms(mod)]  # RMSNorms as one op each
     try:
         yield table
     finally:
-        for lin in patched:
-            del lin.forward
+        for module in (*patched, *norms):
+            del module.forward
         native_layer.detach(attached)
 
 
