@@ -200,8 +200,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 }
 
 /* The attention of up to PLANES queries of one kv head at once, lane l for the l-th of them (q[l], or NULL past the
-   last), over `width` keys (a run of the window: K, V and the masks start at its first). `attend`, called per (head,
-   row), spends most of its time summing each score's lanes (a shuffle chain per key) and reads the keys once per
+   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each score's lanes (a shuffle chain per key) and reads the keys once per
    query; here the queries are transposed, qt [d, PLANES], so that one key's scores for all of them are one vector,
    st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to hide the FMA latency), the softmax runs lane-wise down the keys,
    and each value row serves QV queries at a time. masks[l]: lane l's additive mask row or NULL (no mask at all: masks
@@ -290,8 +289,8 @@ static void attention(const layer_t *L, const float *wide, int qkv_width, const 
     const int blocks = (nq + PLANES - 1) / PLANES;
     /* attend_lanes where every thread gets two of its tasks or more: a task per kv head and PLANES queries, each
        reading its keys and values once. With fewer tasks than that (SmolLM2, 3 kv heads: under 6 rows), one thread
-       does twice the other's and the forward gained nothing over `attend` (ab_native.py --forward on the 2-core Xeon,
-       HEAD / this: 0.99-1.01 at 3 and 5 rows, 1.02-1.04 at 9) */
+       does twice the other's and the forward lost or gained nothing over `attend` (ab_native.py --forward on the
+       2-core Xeon, HEAD / this: 0.96 at 3 rows, 0.99-1.01 at 5 and 6, 1.02-1.05 at 9) */
     if (n > 1 && kv * blocks >= 2 * threads) {
         const int from = mask ? masked_from(mask, n, width) : width;
         float *lanes = scores + (size_t)threads * width; /* per thread: qt, st */

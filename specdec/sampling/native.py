@@ -221,7 +221,8 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     The products stream their weights from memory once a step, and with 4 KB pages every 4 KB costs a TLB miss and
     stops the hardware prefetcher (it does not cross a page). SmolLM2's Q8_0 lm_head (32 MB) at one row on the 2-core
     Xeon (family 6 model 167): 1.98 ms from PyTorch's memory, 1.63 ms from huge pages (16 vs 19.5 GB/s; THP there is
-    "madvise": nothing gets huge pages unless it asks). A region is unmapped once no copy in it is left."""
+    "madvise": nothing gets huge pages unless it asks). A region is unmapped once no copy in it is left (the one being
+    carved stays mapped)."""
     n = t.numel() * t.element_size()
     if n < HUGE_FROM or t.device.type != "cpu":
         return t
