@@ -280,6 +280,16 @@ long smallm_layer_scratch(const layer_t *L, int n, int width, int threads) {
            + (long)threads * (width + (L->head_dim + width) * PLANES); /* attend's scores, attend_lanes' qt and st */
 }
 
+/* the calling OpenMP thread's number (0 without OpenMP) */
+static inline int thread_num(void) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* att [n, heads·d]: the attention of the rows' queries (q | k | v per row in wide) over the window's `width` slots,
    mask [n, width] additive or NULL; scratch: smallm_layer_scratch's attention part, `scores` on */
 static void attention(const layer_t *L, const float *wide, int qkv_width, const float *mask, float *att, int n,
@@ -296,12 +306,7 @@ static void attention(const layer_t *L, const float *wide, int qkv_width, const 
         float *lanes = scores + (size_t)threads * width; /* per thread: qt, st */
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int task = 0; task < kv * blocks; task++) {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            const int t = omp_get_thread_num();
-#else
-            const int t = 0;
-#endif
+            const int t = thread_num();
             const int g = task / blocks, b = task % blocks;
             const float *qs[PLANES], *ms[PLANES];
             float *outs[PLANES];
@@ -321,12 +326,7 @@ static void attention(const layer_t *L, const float *wide, int qkv_width, const 
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int task = 0; task < heads * n; task++) {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            const int t = omp_get_thread_num();
-#else
-            const int t = 0;
-#endif
+            const int t = thread_num();
             const int hd = task / n, r = task % n, g = hd / group;
             const float *q = wide + (size_t)r * qkv_width + (size_t)hd * d;
             const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
