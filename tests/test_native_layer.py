@@ -100,10 +100,13 @@ def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, mo
 
 
 @needs_compiler
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("nodes", [5, 9, 13])
-def test_a_tree_verify_gives_the_lean_numbers(base, forced, nodes):
+def test_a_tree_verify_gives_the_lean_numbers(forced, nodes, head_dim):
     """A verify of a tree of several nodes through the native layers: every query under its own ancestors' mask over
-    the round's slots, the lean numbers."""
+    the round's slots, the lean numbers; at 9 and 13 nodes a kv head's queries take the lanes of a vector together
+    (layer.c's attend_lanes), head size 64 its unrolled form as SmolLM2's."""
+    base = tiny_base(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
     parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree
     visible = torch.zeros(nodes, nodes, dtype=torch.bool)
     depth = torch.zeros(nodes, dtype=torch.long)
