@@ -215,7 +215,7 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
             tokens[:, on_device(level.kids)] = token[:, None]
             qs.append(q)
         else:
-            # [B, F, k]; the top-1 alone (a chain) by argmax: topk over a vocabulary costs ~30 µs, argmax ~5
+            # [B, F, k]; a chain's top-1 by argmax (in a draft on the 2-core Xeon: topk 29 µs a call, argmax 18)
             top = drafter.token_ids(logits.argmax(-1, keepdim=True) if level.top == 1
                                     else logits.topk(level.top, dim=-1).indices)
             tokens[:, on_device(level.kids)] = top[:, on_device(level.parent_pos), on_device(level.rank)]
