@@ -155,6 +155,9 @@ def test_huge_page_copies_hold_the_same_numbers(monkeypatch):
         assert cb.data_ptr() == ca.data_ptr() + (a.numel() * 4 + 63) // 64 * 64
     small = torch.randn(10, 10)
     assert native.huge_pages(small) is small
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "0")
+    assert native.huge_pages(a) is a
+    monkeypatch.delenv("SPECDEC_HUGE_PAGES")
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     monkeypatch.setattr(native, "_arena", [None, 0])
     assert native.huge_pages(a) is a

@@ -214,9 +214,10 @@ def _region(n: int) -> torch.Tensor | None:
 
 
 def huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t copied into memory that Linux backs with 2 MB pages, or t itself (under HUGE_FROM bytes, off the CPU, or
-    where the OS offers no such advice). Copies are carved in order from shared regions of ARENA bytes, so that a
-    model's products, packed one after another, lie in one run of huge pages (SmolLM2's are 0.25-1.3 MB each).
+    """t copied into memory that Linux backs with 2 MB pages, or t itself (under HUGE_FROM bytes, off the CPU, where
+    the OS offers no such advice, or with SPECDEC_HUGE_PAGES=0, for an A/B in two processes). Copies are carved in
+    order from shared regions of ARENA bytes, so that a model's products, packed one after another, lie in one run of
+    huge pages (SmolLM2's are 0.25-1.3 MB each).
 
     The products stream their weights from memory once a step, and with 4 KB pages every 4 KB costs a TLB miss and
     stops the hardware prefetcher (it does not cross a page). SmolLM2's Q8_0 lm_head (32 MB) at one row on the 2-core
@@ -224,7 +225,7 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     "madvise": nothing gets huge pages unless it asks). A region is unmapped once no copy in it is left (the one being
     carved stays mapped)."""
     n = t.numel() * t.element_size()
-    if n < HUGE_FROM or t.device.type != "cpu":
+    if n < HUGE_FROM or t.device.type != "cpu" or os.environ.get("SPECDEC_HUGE_PAGES", "1") == "0":
         return t
     if n > ARENA:
         raw = _region(n)
