@@ -200,10 +200,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 }
 
 /* The attention of up to PLANES queries of one kv head at once, lane l for the l-th of them (q[l], or NULL past the
-   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each score's lanes (a shuffle chain per key) and reads the keys once per
-   query; here the queries are transposed, qt [d, PLANES], so that one key's scores for all of them are one vector,
-   st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to hide the FMA latency), the softmax runs lane-wise down the keys,
-   and each value row serves QV queries at a time. masks[l]: lane l's additive mask row or NULL (no mask at all: masks
+   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each
+   score's lanes (a shuffle chain per key) and reads the keys once per query; here the queries are transposed, qt [d,
+   PLANES], so that one key's scores for all of them are one vector, st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to
+   hide the FMA latency), the softmax runs lane-wise down the keys, and each value row serves QV queries at a time. masks[l]: lane l's additive mask row or NULL (no mask at all: masks
    NULL), whose entries are 0 before masked_from (the prompt's keys, which every row sees: only the last few keys are
    looked up per lane). out[l]: where lane l's [d] output goes (NULL past the last query). qt: d·PLANES, st:
    width·PLANES floats of scratch. On the 2-core Xeon (family 6 model 167), 9 heads over 3 kv heads of 64, 170 keys,
