@@ -200,16 +200,16 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 }
 
 /* The attention of up to PLANES queries of one kv head at once, lane l for the l-th of them (q[l], or NULL past the
-   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each
-   score's lanes (a shuffle chain per key) and reads the keys once per query; here the queries are transposed, qt [d,
-   PLANES], so that one key's scores for all of them are one vector, st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to
-   hide the FMA latency), the softmax runs lane-wise down the keys, and each value row serves QV queries at a time. masks[l]: lane l's additive mask row or NULL (no mask at all: masks
-   NULL), whose entries are 0 before masked_from (the prompt's keys, which every row sees: only the last few keys are
-   looked up per lane). out[l]: where lane l's [d] output goes (NULL past the last query). qt: d·PLANES, st:
-   width·PLANES floats of scratch. On the 2-core Xeon (family 6 model 167), 9 heads over 3 kv heads of 64, 170 keys,
-   a layer's attention over 1 / 2 / 5 / 9 rows took 7.1 / 13.9 / 33 / 56 µs with `attend` per (head, row), 10.6 / 12.3
-   / 15.6 / 22.9 this way (thirtieth session, one process). In a forward, where the keys and values come from memory,
-   it gained at 9 rows (see `attention`). */
+   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each score's
+   lanes (a shuffle chain per key) and reads the keys once per query; here the queries are transposed, qt [d, PLANES],
+   so that one key's scores for all of them are one vector, st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to hide the FMA
+   latency), the softmax runs lane-wise down the keys, and each value row serves QV queries at a time. masks[l]: lane
+   l's additive mask row or NULL (no mask at all: masks NULL), whose entries are 0 before masked_from (the prompt's
+   keys, which every row sees: only the last few keys are looked up per lane). out[l]: where lane l's [d] output goes
+   (NULL past the last query). qt: d·PLANES, st: width·PLANES floats of scratch. On the 2-core Xeon (family 6 model
+   167), 9 heads over 3 kv heads of 64, 170 keys, a layer's attention over 1 / 2 / 5 / 9 rows took 7.1 / 13.9 / 33 / 56
+   µs with `attend` per (head, row), 10.6 / 12.3 / 15.6 / 22.9 this way (thirtieth session, one process). In a forward,
+   where the keys and values come from memory, it gained at 9 rows (see `attention`). */
 #define QV (PLANES == 16 ? 4 : 2) /* queries per pass over the values: QV·d/PLANES accumulators in registers */
 static inline __attribute__((always_inline)) void attend_lanes(const float *const *q, const float *const *masks,
                                                                int masked_from, const float *K, const float *V,
