@@ -4,10 +4,11 @@ always went first read slower). A kernel change is measured as a ratio on one ma
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1            # the packed products
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --forward  # the sampler's verify forward
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --compact  # the products from compact forms
 
 Without --forward: one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then
-the lm_head), the float32 packed kernel for all; ms per pass and the largest output difference relative to the largest
-output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt (--prompt) as the sampler
+the lm_head), the float32 packed kernel for all (with --compact: each from its exact compact form, compact.py); ms per
+pass and the largest output difference relative to the largest output. With --forward: T_n, one verify forward of n chain tokens after a 128-token prompt (--prompt) as the sampler
 runs it (measured kernels, native layers, compact weights, lm_head included), each library driving every native call;
 ms per forward and the ratio B / A (both libraries drive the same layer structs: REV's layer.c must hold them alike)."""
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import native  # noqa: E402
+from specdec.sampling import compact, native  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import WARMUP  # noqa: E402
 from specdec.sampling.kernels import cpu_model, measured_kernels  # noqa: E402
@@ -106,6 +107,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; with --forward 20)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", action="store_true", help="time the sampler's verify forward instead of the products")
+    ap.add_argument("--compact", action="store_true",
+                    help="the products from the weights' exact compact forms (compact.py: SmolLM2's Q4_1 layers, Q8_0 "
+                         "lm_head) instead of the float32 packed kernel")
     ap.add_argument("--prompt", type=int, default=128,
                     help="with --forward: tokens before the verify (the attention's window; HumanEval's decodes reach "
                          "300-400)")
@@ -133,7 +137,8 @@ def main() -> None:
         packed = {}
         for name, lib in libs.items():
             with using(lib):
-                packed[name] = [native.pack(w) for w in weights]
+                packed[name] = [compact.form(w) for w in weights] if args.compact else [native.pack(w) for w in weights]
+        product = compact.gemm if args.compact else native.packed_gemm
         times = {(name, m): [] for name in libs for m in args.rows}
         outs = {}
         for rnd in range(args.rounds):
@@ -142,11 +147,12 @@ def main() -> None:
                 for name, lib in alternating(libs, rnd):  # interleaved: both see the same machine state
                     with using(lib):
                         start = time.perf_counter()
-                        outs[name] = [native.packed_gemm(xs[w.shape[1]], p) for w, p in zip(weights, packed[name])]
+                        outs[name] = [product(xs[w.shape[1]], p) for w, p in zip(weights, packed[name])]
                         times[(name, m)].append((time.perf_counter() - start) * 1e3)
         a, b = outs["now"], outs[args.rev]  # the last round's outputs, same inputs
         diff = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
-    print(f"{cpu_model()}, {args.threads} threads: one pass over {len(weights)} products, packed kernel, ms "
+    kernel = "compact forms' kernels" if args.compact else "packed kernel"
+    print(f"{cpu_model()}, {args.threads} threads: one pass over {len(weights)} products, {kernel}, ms "
           f"(median of {args.rounds} interleaved rounds)")
     print("| smallm.c | " + " | ".join(f"{m} rows" for m in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
