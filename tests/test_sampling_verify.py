@@ -166,6 +166,33 @@ def test_greedy_and_typical_pick_the_deepest_accepted_node():
     assert best.tolist() == [3]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_on_host_lists_takes_the_same_path_as_the_tensor_rule(seed):
+    """verify.greedy_paths (what a greedy round on the CPU decides by) against greedy_targets: random trees (parents
+    before children, up to 3 children a node), 3 rows, a vocabulary of 3 so that many drafts match, some rows ending
+    early (present)."""
+    g = torch.Generator().manual_seed(seed)
+    n, b = int(torch.randint(1, 14, (1,), generator=g)), 3
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)))
+        depth.append(depth[parents[i]] + 1)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        anc[i] = anc[parents[i]] if i else anc[i]
+        anc[i, i] = True
+    tokens, target = torch.randint(0, 3, (b, n), generator=g), torch.randint(0, 3, (b, n), generator=g)
+    limit = torch.randint(0, max(depth) + 1, (b,), generator=g)
+    for present in (None, torch.tensor(depth)[None] <= limit[:, None]):
+        best, bonus = verify.greedy_targets(target, tokens, torch.tensor(parents), anc, torch.tensor(depth), present)
+        paths = verify.greedy_paths(target.tolist(), tokens.tolist(), parents,
+                                    None if present is None else present.tolist())
+        assert [p[-1] for p in paths] == best.tolist()
+        assert [target[r, p[-1]].item() for r, p in enumerate(paths)] == bonus.tolist()
+        for r, p in enumerate(paths):  # root first, each node's parent before it: the ancestors of the best node
+            assert p[0] == 0 and all(parents[c] == a for a, c in zip(p, p[1:]))
+
+
 def test_tree_from_accuracies():
     acc = [[0.8, 0.1, 0.05], [0.6, 0.1], [0.5]]
     paths = tree_from_accuracies(acc, num_nodes=5)

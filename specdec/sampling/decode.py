@@ -261,6 +261,37 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform
     return verify.rejection(p, rnd.tokens, ctx.on_device(rnd.children()), rnd.q, max_depth, uniform, present)
 
 
+def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform: RowUniform, ctx: SamplingContext,
+             target: torch.Tensor | None):
+    """What the verify decided: path [B, D + 1] (each row's accepted nodes, root first, padded by repeating its deepest
+    one) and its tokens [B, D + 1], n_acc [B] (accepted draft tokens), bonus [B] (the token the base emits after them),
+    and on the host n_acc and each row's emitted block (the accepted draft tokens, then the bonus). A greedy round on the
+    CPU is decided on the host (verify.greedy_paths: the same nodes, without a dozen small tensor ops)."""
+    if cfg.temperature == 0 and rnd.tokens.device.type == "cpu":
+        tgt = (logits.argmax(-1) if target is None else target).tolist()  # [B][N]
+        present = rnd.present()
+        tokens = rnd.tokens.tolist()
+        paths = verify.greedy_paths(tgt, tokens, rnd.parents.tolist(), None if present is None else present.tolist())
+        width = int(rnd.depth.max()) + 1
+        bonus_host = [t[p[-1]] for t, p in zip(tgt, paths)]
+        block = [[tok[i] for i in p[1:]] + [b] for tok, p, b in zip(tokens, paths, bonus_host)]
+        n_acc_host = [len(p) - 1 for p in paths]
+        padded = [p + p[-1:] * (width - len(p)) for p in paths]
+        path_tokens = [[tok[i] for i in p] for tok, p in zip(tokens, padded)]
+        return (torch.tensor(padded), torch.tensor(path_tokens), torch.tensor(n_acc_host), torch.tensor(bonus_host),
+                n_acc_host, block)
+    best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]
+    on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
+    n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
+    depth = ctx.on_device(rnd.depth)
+    path = torch.where(on_path, depth[None], rnd.size).argsort(-1)[:, : int(rnd.depth.max()) + 1]
+    path = torch.where(torch.arange(path.shape[1], device=path.device)[None] <= n_acc[:, None], path,
+                       best[:, None])  # ancestors sorted by depth, then `best` again as padding
+    path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
+    return (path, path_tokens, n_acc, bonus, n_acc.tolist(),
+            torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist())
+
+
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
     """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage. Their sum is finite when
     every logit is (a few times cheaper to check than each: ~0.3 ms a verify of 5 rows on a 2-core CPU); only a sum
@@ -399,16 +430,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         else:
             logits, target = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}"), None
         t2 = wall_clock(dev)
-        best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]
-        # the accepted path, root first, padded by repeating its last node: [B, D + 1]
-        on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
-        n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
-        depth = ctx.on_device(rnd.depth)
-        path = torch.where(on_path, depth[None], rnd.size).argsort(-1)[:, : int(rnd.depth.max()) + 1]
-        path = torch.where(torch.arange(path.shape[1], device=dev)[None] <= n_acc[:, None], path,
-                           best[:, None])  # ancestors sorted by depth, then `best` again as padding
-        path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
-        n_acc_host, block = n_acc.tolist(), torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist()
+        path, path_tokens, n_acc, bonus, n_acc_host, block = _outcome(cfg, rnd, logits, uniform, ctx, target)
         active = [not done[row] for row in rows]
         proposed = rnd.drafted()  # [B] per row: γ_s (its own chain length with an adaptive draft length)
         for i, row in enumerate(rows):
