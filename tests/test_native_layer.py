@@ -84,11 +84,14 @@ def run(base, native_on: bool, prompt: list[int], tree: bool):
 
 @needs_compiler
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("whole_stack", [True, False])
+@pytest.mark.parametrize("whole_stack", ["with_norm", "norm_after", False])
 def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, monkeypatch):
-    """The base's layers in one native call (run_stack) or one call per layer: the lean numbers either way."""
+    """The base's layers in one native call (run_stack; the final norm in the same call, or as the module after it
+    where layer.c cannot compute it) or one call per layer: the lean numbers either way."""
     if not whole_stack:
         monkeypatch.setattr(native_layer, "run_stack", lambda *args, **kwargs: None)
+    if whole_stack == "norm_after":
+        monkeypatch.setattr(native_layer, "rms_form", lambda norm: None)
     prompt = list(range(20, 41))
     ref, ref_feats = run(base, False, prompt, tree)
     got, feats = run(base, True, prompt, tree)

@@ -147,15 +147,16 @@ class SamplingContext:
         return self._run(layers, fast, hidden, cache, position_offset)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
-             position_offset: int = 0, keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+             position_offset: int = 0, keep: Collection[int] = (),
+             norm: nn.Module | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over hidden [B, n, H] (each lean where `fast` has it), rotated at the layout's positions +
-        position_offset -> [B, n, H] and {i: the input of layer i} for i in keep."""
+        position_offset, then `norm` if given -> [B, n, H] and {i: the input of layer i} for i in keep."""
         pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
         rope, lean_table = self._rotary(hidden, pos, position_offset, any(f is None for f in fast),
                                         any(f is not None for f in fast))
         inputs, mask = {}, self.mask
         if lean_table is not None and all(f is not None for f in fast):  # every layer lean: one native call?
-            done = native_layer.run_stack(fast, hidden, lean_table, mask, cache, keep)
+            done = native_layer.run_stack(fast, hidden, lean_table, mask, cache, keep, norm)
             if done is not None:
                 return done
         for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
@@ -169,7 +170,7 @@ class SamplingContext:
                 position_embeddings=rope,
             )
             hidden = out[0] if isinstance(out, tuple) else out
-        return hidden, inputs
+        return (hidden if norm is None else norm(hidden)), inputs
 
     def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor, offset: int, hf: bool, fast: bool):
         """The rotary (cos, sin) [B, n, head_dim] at pos [B, n] for HF layers (if hf) and their `lean_rope` form for
@@ -221,8 +222,8 @@ class SamplingContext:
                 hidden, inputs = pool.forward(fast, input_ids, self.length, *self._graph_layout(), embed=True,
                                               keep=wanted - {n})
             else:
-                hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), cache, keep=wanted - {n})
-                hidden = base.norm(hidden)
+                hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), cache, keep=wanted - {n},
+                                           norm=base.norm)
             return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
         out = base.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,

@@ -409,3 +409,14 @@ int smallm_layers(const layer_t *const *layers, int count, float *h, int n, cons
     }
     return 0;
 }
+
+/* smallm_layers, then the model's final RMSNorm (weight norm [H], eps) over h in place: a forward's last op in the
+   same call. Run as a PyTorch op after the layers, the norm took ~90 µs on the 2-core Xeon (family 6 model 167), its
+   code and data evicted from the caches by the layers' weights, against ~19 µs for a second call. */
+int smallm_layers_normed(const layer_t *const *layers, int count, float *h, int n, const float *cos, const float *sin,
+                         const int64_t *slots, int width, const float *mask, float *scratch, int threads,
+                         float *const *keep, const float *norm, float eps) {
+    const int done = smallm_layers(layers, count, h, n, cos, sin, slots, width, mask, scratch, threads, keep);
+    if (done == 0) rms_norm(h, norm, h, n, layers[0]->hidden, eps);
+    return done;
+}

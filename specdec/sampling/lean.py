@@ -152,6 +152,17 @@ def _fused_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 _NORMS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
+def _fused(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`_fused_norm(norm)`, decided once per norm, dtype and device."""
+    w = getattr(norm, "weight", None)
+    where = (w.dtype, w.device) if isinstance(w, torch.Tensor) else None
+    known, fused = _NORMS.get(norm, (None, None))
+    if fused is None or known != where:
+        fused = _fused_norm(norm)
+        _NORMS[norm] = (where, fused)
+    return fused
+
+
 def fuse_norms(module: nn.Module) -> list[nn.Module]:
     """Every Llama-style RMSNorm under `module` (a drafter's, the base's final one) that F.rms_norm reproduces
     bitwise gets that one op as its forward, for a decode: its ~8 ops took 23 µs a call on the 2-core Xeon, the
@@ -161,15 +172,21 @@ def fuse_norms(module: nn.Module) -> list[nn.Module]:
     for m in module.modules():
         if "forward" in m.__dict__ or not isinstance(getattr(m, "variance_epsilon", None), float):
             continue
-        where = (m.weight.dtype, m.weight.device) if isinstance(getattr(m, "weight", None), torch.Tensor) else None
-        known, fused = _NORMS.get(m, (None, None))
-        if fused is None or known != where:
-            fused = _fused_norm(m)
-            _NORMS[m] = (where, fused)
+        fused = _fused(m)
         if fused is not m:
             m.forward = fused
             patched.append(m)
     return patched
+
+
+def rms_form(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight [H], eps) of an RMSNorm whose formula is F.rms_norm's (as `fuse_norms` decides it), with its weight
+    float32 and contiguous on the CPU: what layer.c computes in its place; None otherwise."""
+    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 1
+            and w.is_contiguous() and isinstance(eps, float)) or _fused(norm) is norm:
+        return None
+    return w, eps
 
 
 def lean(layer: nn.Module) -> LeanLayer | None:

@@ -150,6 +150,10 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         lib.smallm_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        normed = getattr(lib, "smallm_layers_normed", None)  # (an older revision's library lacks it)
+        if normed is not None:
+            normed.restype = ctypes.c_int
+            normed.argtypes = lib.smallm_layers.argtypes + [ctypes.c_void_p, ctypes.c_float]
     return lib
 
 

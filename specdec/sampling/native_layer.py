@@ -23,7 +23,7 @@ from torch import nn
 from specdec.sampling import compact, native
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.compact import Compact
-from specdec.sampling.lean import LeanLayer, lean_layers, lean_rope
+from specdec.sampling.lean import LeanLayer, lean_layers, lean_rope, rms_form
 
 if TYPE_CHECKING:
     from specdec.sampling.kernels import KernelTable
@@ -156,27 +156,32 @@ class _Call:
 
 
 def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              mask: torch.Tensor | None, cache: SlotCache,
-              keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+              mask: torch.Tensor | None, cache: SlotCache, keep: Collection[int] = (),
+              norm: nn.Module | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """The lean layers `fasts` over hidden [1, n, H] in ONE native call, as SamplingContext._run runs them one by one
     (-> the output [1, n, H] and {i: the input of layer i} for i in keep), where every one of them has its native
     form attached for n rows; None otherwise, or where layer.c does not take the call (nothing is changed then). One
-    call rather than one per layer: each pays its Python argument handling, 30 times a step for SmolLM2."""
+    call rather than one per layer: each pays its Python argument handling, 30 times a step for SmolLM2. norm: a final
+    RMSNorm the output then goes through (in the same call where it is F.rms_norm's formula, else as a module)."""
     b, n, _ = hidden.shape
     if b != 1 or hidden.dtype != torch.float32:
         return None
     natives = [f.native_rows[n] if n < len(f.native_rows) else None for f in fasts]
     if any(layer is None for layer in natives):
         return None
-    return _run_stack(natives, hidden, rope, mask, cache, keep)
+    rms = rms_form(norm) if norm is not None and hasattr(natives[0].lib, "smallm_layers_normed") else None
+    done = _run_stack(natives, hidden, rope, mask, cache, keep, rms)
+    if done is None or norm is None or rms is not None:
+        return done
+    return norm(done[0]), done[1]
 
 
 _STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
 
 
 def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               mask: torch.Tensor | None, cache: SlotCache,
-               keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+               mask: torch.Tensor | None, cache: SlotCache, keep: Collection[int] = (),
+               norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     ids = tuple(map(id, layers))
     if ids not in _STACKS:
         if len(_STACKS) >= 4:
@@ -190,7 +195,12 @@ def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torc
     kept = (ctypes.c_void_p * len(layers))(*(inputs[i].data_ptr() if i in inputs else None
                                              for i in range(len(layers)))) if inputs else None
     call = _Call(out, rope, mask, cache, layers)
-    done = layers[0].lib.smallm_layers(array, len(layers), out.data_ptr(), *call.args, kept)
+    lib = layers[0].lib
+    if norm is None:
+        done = lib.smallm_layers(array, len(layers), out.data_ptr(), *call.args, kept)
+    else:  # the final norm's weight [H] float32, read by address during the call
+        done = lib.smallm_layers_normed(array, len(layers), out.data_ptr(), *call.args, kept, norm[0].data_ptr(),
+                                        norm[1])
     return (out, inputs) if done == 0 else None
 
 
