@@ -131,6 +131,28 @@ def test_rotary_table_and_fused_norm_give_the_hf_numbers_bitwise():
 
 
 @torch.no_grad()
+def test_a_drafters_norm_may_be_one_native_call_within_float32_rounding():
+    """SmolLM2's width: exact, a form bitwise the norm's own (F.rms_norm here: the native sum's order differs); for a
+    drafter whose products may round (exact=False), the native call, within float32 rounding; float64 stays exact."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specdec.sampling import native
+    from specdec.sampling.lean import _fused_norm
+
+    if not native.available():
+        pytest.skip("no native library here")
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
+    exact, drafting = _fused_norm(norm), _fused_norm(norm, exact=False)
+    assert exact is not norm and torch.equal(exact(x), norm(x))
+    assert drafting.__name__ == "native_norm"
+    torch.testing.assert_close(drafting(x), norm(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(drafting(x.view(3, 1, 576)), norm(x).view(3, 1, 576), rtol=1e-5, atol=1e-6)
+    assert _fused_norm(norm.double(), exact=False) is norm
+
+
+@torch.no_grad()
 def test_rotary_table_is_the_modules_own_numbers_or_steps_aside(base):
     """The context's rotary table gives the base's rotary module's (cos, sin) bitwise at any position it holds
     (below 0 too: the prophet's shift), lean form included; a rotary whose values depend on the call is not looked up."""

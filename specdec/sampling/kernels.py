@@ -520,7 +520,8 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     held = {fast for mod in modules if not any(mod is b for b in bf16) for fast in lean_layers(mod)} if lean else ()
     attached = [fast for mod in modules if lean and native_layers
                 for fast in native_layer.attach(mod, table, any(mod is b for b in bf16), held, compact, quant)]
-    norms = [norm for mod in modules if lean for norm in fuse_norms(mod)]  # RMSNorms as one op each
+    # RMSNorms as one call each (a drafter's whose products may round: within float32 rounding of its own)
+    norms = [norm for mod in modules if lean for norm in fuse_norms(mod, exact=not any(mod is b for b in bf16))]
     try:
         yield table
     finally:

@@ -420,3 +420,10 @@ int smallm_layers_normed(const layer_t *const *layers, int count, float *h, int 
     if (done == 0) rms_norm(h, norm, h, n, layers[0]->hidden, eps);
     return done;
 }
+
+/* out [n, H] = RMSNorm(x [n, H]) · w (F.rms_norm's formula; out may be x): a drafter's standalone norm as one call. On
+   the CPU F.rms_norm runs as ~10 small ops (pow, mean, rsqrt, ...), each paying for its code and data coming back into
+   the caches after the base's forward evicted them. */
+void smallm_rms_norm(const float *x, const float *w, float *out, int n, int H, float eps) {
+    rms_norm(x, w, out, n, H, eps);
+}

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling import native
 from specdec.sampling.cache import SlotCache
 
 # HF decoder layer -> its LeanLayer, or None when it is not one (decided once per layer object)
@@ -133,9 +134,13 @@ def lean_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch
     return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
 
 
-def _fused_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A Llama-style RMSNorm as one fused op (F.rms_norm) rather than its ~8, where that gives bitwise the norm's own
-    output on this device and dtype (float32 on CPU does; float64 does not); otherwise the norm itself."""
+def _fused_norm(norm: nn.Module, exact: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A Llama-style RMSNorm as one native call (native.rms_norm: float32 on the CPU) or one fused op (F.rms_norm)
+    rather than its ~8: the first of them that gives bitwise the norm's own output on this device and dtype (with
+    `exact` False, a drafter's norm, which only changes what is drafted: the native call also where it is within
+    float32 rounding of it); otherwise the norm itself. In a decode every op comes after the base's forward evicted its code and data from the
+    caches: F.rms_norm (itself ~10 small ops on the CPU) then took 112 µs, the native call 35 (2-core Xeon, family 6
+    model 167, a [1, 576] row after a verify; 15-20 µs each back to back)."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 1 and isinstance(eps, float)):
         return norm
@@ -143,36 +148,48 @@ def _fused_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def fused(x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
+    def native_norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not norm.weight.is_contiguous():
+            return fused(x)
+        return native.rms_norm(x, norm.weight, eps)
+
+    one_call = (w.dtype == torch.float32 and w.device.type == "cpu" and native.available()
+                and hasattr(native._library(), "smallm_rms_norm"))
     with torch.no_grad():
         probe = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w)
-        return fused if torch.equal(fused(probe), norm(probe)) else norm
+        want = norm(probe)
+        if one_call:
+            got = native_norm(probe)
+            if torch.equal(got, want) or not exact and torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                return native_norm
+        return fused if torch.equal(fused(probe), want) else norm
 
 
-# norm module -> (its weight's dtype and device, what it runs as then: its fused form or the module itself)
-_NORMS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+# norm module -> {(its weight's dtype and device, exact): what it runs as then: a fused form or the module itself}
+_NORMS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _fused(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`_fused_norm(norm)`, decided once per norm, dtype and device."""
+def _fused(norm: nn.Module, exact: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`_fused_norm(norm, exact)`, decided once per norm, dtype, device and exactness."""
     w = getattr(norm, "weight", None)
-    where = (w.dtype, w.device) if isinstance(w, torch.Tensor) else None
-    known, fused = _NORMS.get(norm, (None, None))
-    if fused is None or known != where:
-        fused = _fused_norm(norm)
-        _NORMS[norm] = (where, fused)
-    return fused
+    key = ((w.dtype, w.device) if isinstance(w, torch.Tensor) else None, exact)
+    known = _NORMS.setdefault(norm, {})
+    if key not in known:
+        known[key] = _fused_norm(norm, exact)
+    return known[key]
 
 
-def fuse_norms(module: nn.Module) -> list[nn.Module]:
-    """Every Llama-style RMSNorm under `module` (a drafter's, the base's final one) that F.rms_norm reproduces
-    bitwise gets that one op as its forward, for a decode: its ~8 ops took 23 µs a call on the 2-core Xeon, the
-    fused one 15 (a drafter runs one or two per depth). Decided once per norm, dtype and device. Returns the norms
-    patched (the caller deletes their `forward` after); one already patched is left to whoever did."""
+def fuse_norms(module: nn.Module, exact: bool = True) -> list[nn.Module]:
+    """Every Llama-style RMSNorm under `module` (a drafter's, the base's final one) that one native call or F.rms_norm
+    reproduces (bitwise; within float32 rounding where not `exact`: a drafter whose products may round) gets that as
+    its forward, for a decode: its ~8 ops took 23 µs a call on the 2-core Xeon, F.rms_norm 15 (a drafter runs one or
+    two per depth). Returns the norms patched (the caller deletes their `forward` after); one already patched is left
+    to whoever did."""
     patched = []
     for m in module.modules():
         if "forward" in m.__dict__ or not isinstance(getattr(m, "variance_epsilon", None), float):
             continue
-        fused = _fused(m)
+        fused = _fused(m, exact)
         if fused is not m:
             m.forward = fused
             patched.append(m)
