@@ -246,18 +246,22 @@ static inline void store_rows(float *y, const pvec *lo, const pvec *hi, int mb, 
 #define Q4_GROUP_BYTES (2 * PACK * sizeof(float) + QGROUP * PLANES)
 #define Q8_GROUP_BYTES (PACK * sizeof(float) + QGROUP * PACK)
 
+/* group g of packed block b in a q4 / q8 layout of `groups` groups a block, its bytes QPREFETCH ahead asked for */
+static inline const uint8_t *q_group(const void *wp, int b, int g, int groups, size_t group_bytes) {
+    const uint8_t *grp = (const uint8_t *)wp + ((size_t)b * groups + g) * group_bytes;
+    for (size_t line = 0; line < group_bytes; line += 64) __builtin_prefetch(grp + QPREFETCH + line, 0, 3);
+    return grp;
+}
+
 #define Q_BLOCK(NAME, MB, Q4) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
         const int groups = I / QGROUP; \
         const size_t group_bytes = (Q4) ? Q4_GROUP_BYTES : Q8_GROUP_BYTES; \
         for (int b = b0; b < b1; b++) { \
-            const uint8_t *blk = (const uint8_t *)wp + (size_t)b * groups * group_bytes; \
             pvec lo[MB], hi[MB]; \
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = blk + (size_t)g * group_bytes; \
-                for (size_t line = 0; line < group_bytes; line += 64) \
-                    __builtin_prefetch(grp + QPREFETCH + line, 0, 3); \
+                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes); \
                 const pvec d0 = pload((const float *)grp), d1 = pload((const float *)grp + PLANES); \
                 const pvec m0 = (Q4) ? pload((const float *)grp + PACK) : (pvec){0}; \
                 const pvec m1 = (Q4) ? pload((const float *)grp + PACK + PLANES) : (pvec){0}; \
@@ -319,13 +323,10 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
             } \
         const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
         for (int b = b0; b < b1; b++) { \
-            const uint8_t *blk = (const uint8_t *)wp + (size_t)b * groups * group_bytes; \
             pvec lo[MB], hi[MB]; \
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = blk + (size_t)g * group_bytes; \
-                for (size_t line = 0; line < group_bytes; line += 64) \
-                    __builtin_prefetch(grp + QPREFETCH + line, 0, 3); \
+                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes); \
                 const uint8_t *codes = grp + ((Q4) ? 2 : 1) * PACK * sizeof(float); \
                 const float *xg = x + (size_t)g * QGROUP; \
                 pvec plo[QS_SPLIT(MB)][MB], phi[QS_SPLIT(MB)][MB]; \
