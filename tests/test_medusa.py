@@ -52,3 +52,25 @@ def test_offsets_and_names(tiny):
     m = Medusa(tiny, num_heads=4)
     assert m.target_offsets == [1, 2, 3, 4]  # head k predicts token t+k+1
     assert m.head_names == ["head1", "head2", "head3", "head4"] and m.max_depth == 4
+
+
+def test_the_sampler_lays_out_no_queries_for_heads_that_run_no_layers(tiny, monkeypatch):
+    """Medusa (runs_layers = False) reads features and tokens only: a decode lays out the prefill and each round's
+    verify, and nothing for the drafter's observe or expand; its drafts are the same either way."""
+    from specdec.sampling.context import SamplingContext
+    from specdec.sampling.decode import SamplerConfig, generate
+
+    medusa = Medusa(tiny, num_heads=2)
+    cfg = SamplerConfig(max_new_tokens=12, gamma=2, eos_token_id=[])
+    laid = []
+    for name in ("tree_layout", "commit_layout"):
+        real = getattr(SamplingContext, name)
+        monkeypatch.setattr(SamplingContext, name, lambda self, *a, real=real, name=name: (laid.append(name),
+                                                                                           real(self, *a))[1])
+    out = generate(tiny, [[3, 4, 5, 6]], medusa, cfg)
+    rounds = len(out.step_verify_s)
+    assert laid == ["commit_layout"] + ["tree_layout"] * rounds  # the prefill, then one verify per round
+    monkeypatch.setattr(Medusa, "runs_layers", True)
+    laid.clear()
+    again = generate(tiny, [[3, 4, 5, 6]], medusa, cfg)
+    assert torch.equal(again.tokens, out.tokens) and len(laid) > 1 + rounds

@@ -79,6 +79,10 @@ class Drafter(nn.Module):
     # only through ctx.on_device, and its round state is tensors and NodeTables. Then a greedy static-tree draft may be
     # recorded whole as one CUDA graph (specdec/sampling/draft_graph.py).
     graph_draft: bool = False
+    # Its `observe` and `expand` run layers through the context (run_layers / run_model), so the sampler lays out their
+    # queries first (commit_layout, tree_layout). False: they only read features and tokens (Medusa, Hydra), and the
+    # sampler skips the layouts (~50 µs a round on a 2-core CPU, where each small op after a forward runs cold).
+    runs_layers: bool = True
 
     def __init__(self, base: Base, **hparams: Any):
         super().__init__()

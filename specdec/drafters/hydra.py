@@ -40,6 +40,7 @@ class HydraHead(nn.Module):
 
 class Hydra(Drafter):
     graph_draft = True
+    runs_layers = False
 
     def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
                  draft_vocab_size: int | None = None):

@@ -27,6 +27,7 @@ class ResBlock(nn.Module):
 
 class Medusa(Drafter):
     graph_draft = True
+    runs_layers = False
 
     def __init__(self, base: Base, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False,
                  draft_vocab_size: int | None = None):

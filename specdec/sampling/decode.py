@@ -449,7 +449,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                 ctx.move_path(path[:, :n], rnd.draft_slots.to(dev)[path[:, :n]])  # a chain needs no move
             sel = path[:, :n]  # [B, n]
             gathered = {l: h.gather(1, sel[..., None].expand(-1, -1, h.shape[-1])) for l, h in feats.items()}
-            ctx.commit_layout(n)
+            if drafter.runs_layers:
+                ctx.commit_layout(n)
             kept = None if logits is None else logits.gather(1, sel[..., None].expand(-1, -1, logits.shape[-1]))
             drafter.observe(state, ctx, Features(gathered, kept), path_tokens[:, :n], n_acc + 1, bonus)
         ctx.commit(torch.tensor(n_new_host, device=dev), n_new_host)

@@ -118,7 +118,8 @@ class TreeBuilder:
         """Children draft logits [B, F, V_d] of the frontier nodes (all at one depth), over the draft vocab."""
         f = torch.tensor(frontier)
         depth = self.depth[frontier[0]]
-        ctx.tree_layout(f, torch.full_like(f, depth), self.ancestors[f])
+        if drafter.runs_layers:
+            ctx.tree_layout(f, torch.full_like(f, depth), self.ancestors[f])
         parents = torch.tensor([self.parents[i] for i in frontier])
         return drafter.expand(state, ctx, self.tokens[:, frontier], parents, depth, f)
 
@@ -206,7 +207,8 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
         going = torch.ones_like(root, dtype=torch.bool)  # [B] rows still drafting
     on_device = ctx.on_device  # the levels' indices copied once (an index in host memory would be a blocking copy)
     for level in tree.levels:
-        ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
+        if drafter.runs_layers:
+            ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
         logits = drafter.expand(state, ctx, tokens[:, on_device(level.frontier)], level.parents, level.depth,
                                 level.frontier)  # [B, F, V_d]
         q = None
