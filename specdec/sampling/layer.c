@@ -411,8 +411,8 @@ int smallm_layers(const layer_t *const *layers, int count, float *h, int n, cons
 }
 
 /* smallm_layers, then the model's final RMSNorm (weight norm [H], eps) over h in place: a forward's last op in the
-   same call. Run as a PyTorch op after the layers, the norm took ~90 µs on the 2-core Xeon (family 6 model 167), its
-   code and data evicted from the caches by the layers' weights, against ~19 µs for a second call. */
+   same call. Run as a PyTorch op after the layers, the norm took 90-120 µs on the 2-core Xeon (family 6 model 167),
+   its code and data evicted from the caches by the layers' weights, against ~19 µs for a second call. */
 int smallm_layers_normed(const layer_t *const *layers, int count, float *h, int n, const float *cos, const float *sin,
                          const int64_t *slots, int width, const float *mask, float *scratch, int threads,
                          float *const *keep, const float *norm, float eps) {

@@ -138,9 +138,9 @@ def _fused_norm(norm: nn.Module, exact: bool = True) -> Callable[[torch.Tensor],
     """A Llama-style RMSNorm as one native call (native.rms_norm: float32 on the CPU) or one fused op (F.rms_norm)
     rather than its ~8: the first of them that gives bitwise the norm's own output on this device and dtype (with
     `exact` False, a drafter's norm, which only changes what is drafted: the native call also where it is within
-    float32 rounding of it); otherwise the norm itself. In a decode every op comes after the base's forward evicted its code and data from the
-    caches: F.rms_norm (itself ~10 small ops on the CPU) then took 112 µs, the native call 35 (2-core Xeon, family 6
-    model 167, a [1, 576] row after a verify; 15-20 µs each back to back)."""
+    float32 rounding of it); otherwise the norm itself. In a decode every op comes after the base's forward evicted
+    its code and data from the caches: F.rms_norm (itself ~10 small ops on the CPU) then took 112 µs, the native call
+    35 (2-core Xeon, family 6 model 167, a [1, 576] row after a verify; 15-20 µs each back to back)."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 1 and isinstance(eps, float)):
         return norm
