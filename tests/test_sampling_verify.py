@@ -168,9 +168,9 @@ def test_greedy_and_typical_pick_the_deepest_accepted_node():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_greedy_on_host_lists_takes_the_same_path_as_the_tensor_rule(seed):
-    """verify.greedy_paths (what a greedy round on the CPU decides by) against greedy_targets: random trees (parents
-    before children, up to 3 children a node), 3 rows, a vocabulary of 3 so that many drafts match, some rows ending
-    early (present)."""
+    """verify.greedy_paths (what a greedy round on the CPU decides by) against greedy_targets: random trees of up to
+    13 nodes (parents before children), 3 rows, a vocabulary of 3 so that many drafts match, some rows ending early
+    (present)."""
     g = torch.Generator().manual_seed(seed)
     n, b = int(torch.randint(1, 14, (1,), generator=g)), 3
     parents, depth = [-1], [0]
