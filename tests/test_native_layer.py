@@ -242,6 +242,24 @@ def test_layers_it_does_not_compute_are_refused(base):
     assert not native_layer.agrees(wrong)
 
 
+@needs_compiler
+def test_a_layer_binds_again_only_when_its_cache_buffers_change(base, monkeypatch):
+    """bind() reads the cache's key and value addresses once per cache and buffer change (SlotCache.version): not on
+    every forward, and again after the rows were cut (new buffers) or for another cache."""
+    from specdec.sampling.cache import SlotCache
+
+    layer = native_layer.NativeLayer(lean(base.layers[0]), native.pack)
+    cache, like = SlotCache(16), torch.zeros(2, 1, base.hidden_size)
+    assert layer.bind(cache, like) and layer.struct.keys == cache.layers[0].keys.data_ptr()
+    with monkeypatch.context() as m:
+        m.setattr(SlotCache, "buffers", lambda *a: pytest.fail("bound again with nothing changed"))
+        assert layer.bind(cache, like)
+    cache.keep_rows(torch.tensor([1]))  # new buffers: their addresses are read again
+    assert layer.bind(cache, like[1:]) and layer.struct.keys == cache.layers[0].keys.data_ptr()
+    other = SlotCache(16)
+    assert layer.bind(other, like[1:]) and layer.struct.keys == other.layers[0].keys.data_ptr()
+
+
 @pytest.mark.slow
 @needs_compiler
 def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):

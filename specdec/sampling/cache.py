@@ -25,6 +25,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(b, h, self.owner.max_len, key_states.shape[-1])
         self.values = value_states.new_zeros(b, h, self.owner.max_len, value_states.shape[-1])
         self.is_initialized = True
+        self.owner.version += 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -61,6 +62,8 @@ class SlotCache(Cache):
         self.write_slots: torch.Tensor | None = None  # [B, n] slot of each query
         self.write_start: int | None = None  # set when write_slots is the same arange(s, s+n) for every row
         self.width = 0  # keys returned: slots [0, width)
+        # bumped whenever a layer's buffers are (re)placed: a native layer bound to them reads their addresses again
+        self.version = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -86,12 +89,14 @@ class SlotCache(Cache):
             self.layers.append(SlotLayer(self))
         layer = self.layers[layer_idx]
         layer.keys, layer.values, layer.is_initialized = keys, values, True
+        self.version += 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` [B'] of every layer."""
         for layer in self.layers:
             if layer.is_initialized:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.version += 1
 
     @torch.no_grad()
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
