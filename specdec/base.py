@@ -3,8 +3,10 @@ one small adapter over the parts drafters read, and a fingerprint that identifie
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -119,6 +121,18 @@ class Base(nn.Module):
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "weights_sha256": h.hexdigest()[:16],
         }
+
+
+def cache_arg(module: nn.Module, cache) -> dict:
+    """{name: cache} under the name the installed transformers gives this module's KV-cache argument: `cache` in
+    5.x (where `past_key_values` warns and goes away in 5.40), `past_key_values` before (4.56+). Read off the forward's
+    signature, once per class, so any HF model's layers take it under their own name."""
+    return {_cache_name(type(module)): cache}
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,7 +1,10 @@
+import inspect
+
 import pytest
 import torch
+from torch import nn
 
-from specdec.base import LAST, load_base, smollm2_gguf_path, tiny_base
+from specdec.base import LAST, cache_arg, load_base, smollm2_gguf_path, tiny_base
 
 
 def test_tiny_base_is_frozen_and_deterministic():
@@ -49,3 +52,16 @@ def test_smollm2_loads_from_package_and_continues_coherently():
         seq = torch.cat([seq, nxt], 1)
     assert seq[0, ids.shape[1]:].tolist() == out.tolist()
     assert "Paris" in tok.decode(out)
+
+
+def test_cache_arg_follows_each_forwards_own_name(tiny):
+    """The KV cache goes in under the name the installed transformers gives it (`cache` in 5.x, `past_key_values`
+    before), read per class: the tiny base's layers take theirs, and a module that still says past_key_values gets that."""
+    class Old(nn.Module):
+        def forward(self, x, past_key_values=None):
+            return x
+
+    layer = tiny.layers[0]
+    (name,) = cache_arg(layer, "c")
+    assert name in inspect.signature(type(layer).forward).parameters
+    assert cache_arg(Old(), "c") == {"past_key_values": "c"}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specdec.base import LAST, Base, Features
+from specdec.base import LAST, Base, Features, cache_arg
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
@@ -125,7 +125,7 @@ class Prophet(Drafter):
         rope = self.base.rotary_emb(x, pos)
         for block in self.blocks:
             out = block(
-                x, attention_mask=mask[None, None], position_ids=pos, past_key_values=cache, use_cache=True,
+                x, attention_mask=mask[None, None], position_ids=pos, use_cache=True, **cache_arg(block, cache),
                 position_embeddings=rope,
             )
             x = out[0] if isinstance(out, tuple) else out

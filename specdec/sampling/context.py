@@ -14,7 +14,7 @@ from typing import Collection, Sequence
 import torch
 from torch import nn
 
-from specdec.base import Base
+from specdec.base import Base, cache_arg
 from specdec.sampling import native_layer
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.graphs import MAX_QUERIES, MAX_ROWS, GraphPool, claim
@@ -166,7 +166,7 @@ class SamplingContext:
                 hidden = lean_layer(hidden, lean_table, mask, cache)
                 continue
             out = layer(
-                hidden, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                hidden, attention_mask=mask, position_ids=pos, use_cache=True, **cache_arg(layer, cache),
                 position_embeddings=rope,
             )
             hidden = out[0] if isinstance(out, tuple) else out
@@ -204,7 +204,7 @@ class SamplingContext:
         # the mask is None only for a single query, which never has start > 0
         mask = self.mask[:, :, start:] if start else self.mask
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=self.positions[:, start:],
-                    past_key_values=self._store(store, start), use_cache=True)
+                    use_cache=True, **cache_arg(model, self._store(store, start)))
         return out.last_hidden_state
 
     def base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
@@ -227,7 +227,7 @@ class SamplingContext:
             return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
         out = base.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
-            past_key_values=self._store("base"), use_cache=True, output_hidden_states=bool(feature_layers),
+            use_cache=True, output_hidden_states=bool(feature_layers), **cache_arg(base.model.model, self._store("base")),
         )
         hidden = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
         return out.last_hidden_state, hidden

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.base import cache_arg
 from specdec.sampling import native
 from specdec.sampling.cache import SlotCache
 
@@ -265,7 +266,7 @@ def _agrees(layer: nn.Module, fast: LeanLayer, n: int = 3) -> bool:
     rope = (angle.cos(), angle.sin())  # the HF layer's (cos, sin); the lean one takes them as lean_rope makes them
     mask = torch.zeros(1, 1, n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).to(w)
     outs = []
-    for run in (lambda c: layer(hidden, attention_mask=mask, past_key_values=c, use_cache=True,
+    for run in (lambda c: layer(hidden, attention_mask=mask, use_cache=True, **cache_arg(layer, c),
                                 position_embeddings=rope, position_ids=torch.arange(n, device=w.device)[None]),
                 lambda c: fast(hidden, lean_rope(*rope), mask, c)):
         cache = SlotCache(n)
