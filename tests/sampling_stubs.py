@@ -25,6 +25,8 @@ class Oracle(Drafter):
     """Knows the base's greedy continuation (a no-cache forward per node): its top-1 child is right at depths
     < right_for (one for all rows, or one per row) and wrong (argmax + 1) deeper. Ranks below 1 are fixed pseudo-random tokens."""
 
+    reads_logits = True  # records the verify logits it is handed
+
     def __init__(self, base: Base, right_for: int | list[int] = 1 << 30):
         super().__init__(base)
         self.right_for = right_for

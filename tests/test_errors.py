@@ -79,6 +79,24 @@ def test_finite_logits_whose_sum_overflows_pass():
         finite(big, "here")
 
 
+def test_greedy_argmax_checks_only_the_chosen_logits():
+    """A greedy round's check (finite_argmax): the argmax, first on a tie, failing wherever a NaN or +inf would be
+    chosen or a row has no finite logit; an -inf below a finite max changes no token and passes."""
+    from specdec.sampling.decode import finite_argmax
+
+    logits = torch.randint(0, 3, (2, 3, 50)).float()
+    logits[0, 1, :7] = float("-inf")
+    assert torch.equal(finite_argmax(logits, "here"), logits.argmax(-1))
+    for bad in (float("nan"), float("inf")):
+        broken = logits.clone()
+        broken[1, 2, 20] = bad
+        with pytest.raises(FloatingPointError, match="NaN/inf in the base's logits here"):
+            finite_argmax(broken, "here")
+    logits[1, 0] = float("-inf")
+    with pytest.raises(FloatingPointError):
+        finite_argmax(logits, "here")
+
+
 def test_malformed_jsonl_reports_line_numbers_or_skips(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"text": "def f(): pass"}\n{"text": "oops"\n\n[1, 2]\n{"text": "x = 1"}\n')

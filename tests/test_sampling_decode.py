@@ -217,3 +217,13 @@ def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, cost,
     assert r.tokens.tolist() == reference(base, prompts)  # lossless whatever the size
     # the Oracle is confident in its top path only: a flat curve still verifies every node, a step keeps the best 2
     assert {n for row in r.drafted for n in row} == {most}
+
+
+def test_rounds_know_when_they_are_chains():
+    """A chain's round says so (the sampler then skips checking its parents and moving its accepted path)."""
+    from specdec.sampling.lookup import lookup_round
+    from specdec.sampling.trees import chain_paths, static_tree
+
+    assert static_tree(tuple(chain_paths(3))).chain
+    assert not static_tree(((0,), (1,), (0, 0))).chain
+    assert lookup_round(torch.tensor([5]), [[1, 2]]).chain

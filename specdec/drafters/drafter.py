@@ -83,6 +83,10 @@ class Drafter(nn.Module):
     # queries first (commit_layout, tree_layout). False: they only read features and tokens (Medusa, Hydra), and the
     # sampler skips the layouts (~50 µs a round on a 2-core CPU, where each small op after a forward runs cold).
     runs_layers: bool = True
+    # Whether `observe` reads feats.logits, the base's logits at the committed positions. False (every family here):
+    # the sampler does not gather them (~40 µs a round on a 2-core CPU) and passes None, as after a greedy verify that
+    # took the argmax without logits.
+    reads_logits: bool = False
 
     def __init__(self, base: Base, **hparams: Any):
         super().__init__()
@@ -145,8 +149,9 @@ class Drafter(nn.Module):
     ) -> None:
         """Called after the prefill and after every verify with the base features of the newly committed
         positions: feats.hidden[l] [B, n, H] for l in feature_layers, feats.logits [B, n, V] the base's logits
-        there after a verify (None after the prefill, where a prompt-long lm_head is not paid for, and after a greedy
-        verify that took the base's argmax without its logits: SamplerConfig.greedy_shortlist), tokens [B, n] at those
+        there after a verify for a drafter that sets `reads_logits` (None otherwise, after the prefill, where a prompt-long
+        lm_head is not paid for, and after a greedy verify that took the base's argmax without its logits:
+        SamplerConfig.greedy_shortlist), tokens [B, n] at those
         positions, n_new [B] how many of the n are valid per row (ragged acceptance; the rest is padding), and
         next_token [B] the base's newly emitted token that follows them (the next round's root)."""
         raise NotImplementedError
