@@ -304,10 +304,12 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
    another order (a q4 weight is no longer rounded to float32 on its own; against float64, the sums' largest error
    relative to Σ|x·w| was no larger). A pass over SmolLM2's 121 products (Q4_1 layers, Q8_0 lm_head), 2-core Xeon
    (family 6 model 167), 15 interleaved rounds: 5.0 / 5.1 / 5.6 / 6.8 / 7.5 ms at 1 / 2 / 3 / 5 / 6 rows before, 4.6 /
-   4.6 / 5.1 / 6.3 / 7.1 after (experiments/ab_native.py --compact --rev <before>). With one or two rows, two sets of
-   partial sums (even and odd columns) keep four FMA chains in flight instead of two. */
+   4.6 / 5.1 / 6.3 / 7.1 after (experiments/ab_native.py --compact --rev <before>). With up to four rows, two sets of
+   partial sums (even and odd columns) keep 4-16 FMA chains in flight instead of 2-8 (a Zen 5 EPYC, family 26 model 2,
+   needs ~8 to fill its two FMA pipes): the verify forward there, `ab_native.py --forward --rev <split up to 2 rows>`,
+   1.11 / 1.08 faster at 3 / 4 tokens, the same at 1, 2 and 5 (split at 5 rows too: 1.02, within the noise). */
 #define QS_HEIGHT 6
-#define QS_SPLIT(MB) ((MB) <= 2 ? 2 : 1)
+#define QS_SPLIT(MB) ((MB) <= 4 ? 2 : 1)
 #define QS_BLOCK(NAME, MB, Q4) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
         const int groups = I / QGROUP; \
