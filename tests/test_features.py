@@ -1,6 +1,7 @@
 """Feature cache (specdec/data/features.py) and training from it (specdec/data/cached.py): the loss from the cache
 equals the loss computed online, a cache resumes and refuses what it was not built for, and train.py runs on it."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,30 @@ def test_cache_resumes_and_refuses_other_settings(corpus, tiny, tmp_path, monkey
 
     with pytest.raises(ValueError, match="topk"):
         cache_features(dm, tiny, str(out), topk=4, shard_blocks=2)
+
+
+def test_bf16_feature_pass_is_recorded_close_and_kept_on_resume(corpus, tiny, tmp_path):
+    """precision=bf16 runs the base in bf16 autocast (features near float32's; meta.json says so); auto resumes a
+    cache in the precision it was begun in, a cache from before the option counts as fp32, and an explicit other
+    precision is refused like any other setting."""
+    dm = text_blocks(corpus, tiny)
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    cache_features(dm, tiny, str(fp32), layers=(LAST,), topk=8, dtype="float32")
+    meta = cache_features(dm, tiny, str(bf16), layers=(LAST,), topk=8, dtype="float32", precision="bf16")
+    assert meta["precision"] == "bf16"
+    a, b = (np.load(p / "train" / "00000" / f"hidden_{LAST}.npy") for p in (fp32, bf16))
+    assert not np.array_equal(a, b) and np.linalg.norm(a - b) < 0.05 * np.linalg.norm(a)
+    assert cache_features(dm, tiny, str(bf16), layers=(LAST,), topk=8, dtype="float32", precision="auto")[
+        "precision"] == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        cache_features(dm, tiny, str(bf16), layers=(LAST,), topk=8, dtype="float32", precision="fp32")
+    old = json.loads((fp32 / "meta.json").read_text())
+    del old["precision"]
+    (fp32 / "meta.json").write_text(json.dumps(old))
+    assert cache_features(dm, tiny, str(fp32), layers=(LAST,), topk=8, dtype="float32", precision="auto")[
+        "precision"] == "fp32"
+    with pytest.raises(ValueError, match="precision must be"):
+        cache_features(dm, tiny, str(tmp_path / "x"), topk=8, precision="fp16")
 
 
 def test_cache_refuses_another_base_and_missing_layers(corpus, tiny, tmp_path):
