@@ -195,3 +195,29 @@ def test_eviction_keeps_the_data():
     native.evict(t)
     native.evict(t[1:, 1:].contiguous())
     torch.testing.assert_close(t, before, rtol=0, atol=0)
+
+
+def test_prefill_buckets_time_few_weights_and_cover_their_rows(tmp_path):
+    """Row buckets past LARGE_ROWS (a prompt's prefill) are measured on at most LARGE_WEIGHTS weights (compute-bound:
+    the first-run measurement stays short), and a product of any row count up to the largest bucket takes the kernel
+    measured for the bucket at or above it; past the largest, the stock product."""
+    from specdec.sampling import kernels
+
+    seen = []
+
+    def counting(x, w):
+        seen.append(x.shape[0])
+        return F.linear(x, w)
+
+    table = KernelTable(tmp_path / "k.json", candidates={"linear": CANDIDATES["linear"], "counted": Candidate(counting)},
+                        rows=(1, 2, kernels.LARGE_ROWS + 1))
+    ws = [torch.randn(48, 16) for _ in range(8)]
+    table.prepare(ws)
+    big = kernels.LARGE_ROWS + 1
+    assert seen.count(big) <= 1 + 3 * kernels.LARGE_WEIGHTS  # the correctness check, then 3 passes over 4 weights
+    assert seen.count(1) > 3 * kernels.LARGE_WEIGHTS  # small row counts stream every weight
+    table.choice["48x16:float32"] = {1: "linear", 2: "linear", big: "counted"}
+    table._by_rows.clear()
+    plan = table.plan(ws[0])
+    assert len(plan) == big + 1 and plan[3] is not None and plan[big] is not None and plan[2] is None
+    assert kernels.ROWS[-1] >= 256  # a HumanEval chat prompt's prefill (100-300 tokens) is measured, not assumed

@@ -49,7 +49,11 @@ from specdec.sampling import compact, native, native_layer
 from specdec.sampling.lean import decode_linears, fuse_norms, lean_layers
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row buckets measured; more rows: `linear`
+# Row buckets measured; more rows: `linear`. Past 64 they are a prompt's prefill (~100-300 tokens of a HumanEval chat
+# prompt), which ran PyTorch's default product for want of a bucket: 40 % of a 128-token answer's time in our AR loop on
+# a 2-core Zen 5 EPYC, where the compact and oneDNN products at 150 rows take ~0.4x MKL's time.
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+LARGE_ROWS, LARGE_WEIGHTS = 64, 4  # past LARGE_ROWS a product is compute-bound: LARGE_WEIGHTS weights per timing suffice
 # A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
 # every candidate; if the stored kernel is now SLOWER than the best by this factor, the table was measured while the
 # machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
@@ -213,7 +217,7 @@ class KernelTable:
         self.remeasured: list[str] = []  # shapes a re-check found measured on a busy machine (measured again)
         # what a stored choice was made among: a table measured before a candidate was added (or the native source
         # changed) never saw it, so it is measured again rather than re-checked shape by shape
-        self.signature = _signature({**self.candidates, **self.bf16, **self.compact, **self.quant})
+        self.signature = _signature({**self.candidates, **self.bf16, **self.compact, **self.quant}, rows)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
             if stored.get("candidates") != self.signature:
@@ -297,7 +301,7 @@ class KernelTable:
         float32 candidates, which share one operand and run back to back, warmed it for each other: for a prophet's
         8192x576 head at one row, mv read 0.36 ms against 0.48 for the bfloat16 packed copy, which reads half the
         bytes; from memory 0.71 against 0.44 ms, 2-core Xeon.)"""
-        ws = weights[:32]
+        ws = weights[: 32 if rows <= LARGE_ROWS else LARGE_WEIGHTS]
         size = sum(w.numel() * w.element_size() for w in ws)
         cold = size < STREAM_BYTES and size >= len(ws) * COLD_BYTES and native.available()
         x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype)
@@ -453,9 +457,10 @@ def _tensors(operand: Any) -> list[torch.Tensor]:
     return []
 
 
-def _signature(candidates: dict[str, Candidate]) -> str:
-    """The candidates' names, how they are timed and the native kernel's source, hashed."""
-    text = " ".join(sorted(candidates)) + f" streamed over {STREAM_BYTES} bytes, evicted from {COLD_BYTES} " + (
+def _signature(candidates: dict[str, Candidate], rows: tuple[int, ...] = ROWS) -> str:
+    """The candidates' names, the row buckets, how they are timed and the native kernel's source, hashed."""
+    text = " ".join(sorted(candidates)) + f" rows {rows} streamed over {STREAM_BYTES} bytes, evicted from " + (
+        f"{COLD_BYTES} ({LARGE_WEIGHTS} weights past {LARGE_ROWS} rows) ") + (
         native.SOURCE.read_text() if native.SOURCE.exists() else "")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
