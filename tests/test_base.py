@@ -56,7 +56,7 @@ def test_smollm2_loads_from_package_and_continues_coherently():
 
 def test_cache_arg_follows_each_forwards_own_name(tiny):
     """The KV cache goes in under the name the installed transformers gives it (`cache` in 5.x, `past_key_values`
-    before), read per class: the tiny base's layers take theirs, and a module that still says past_key_values gets that."""
+    before), read per class: the tiny base's layers take theirs, a module that still says past_key_values gets that."""
     class Old(nn.Module):
         def forward(self, x, past_key_values=None):
             return x

@@ -209,8 +209,8 @@ def test_prefill_buckets_time_few_weights_and_cover_their_rows(tmp_path):
         seen.append(x.shape[0])
         return F.linear(x, w)
 
-    table = KernelTable(tmp_path / "k.json", candidates={"linear": CANDIDATES["linear"], "counted": Candidate(counting)},
-                        rows=(1, 2, kernels.LARGE_ROWS + 1))
+    cands = {"linear": CANDIDATES["linear"], "counted": Candidate(counting)}
+    table = KernelTable(tmp_path / "k.json", candidates=cands, rows=(1, 2, kernels.LARGE_ROWS + 1))
     ws = [torch.randn(48, 16) for _ in range(8)]
     table.prepare(ws)
     big = kernels.LARGE_ROWS + 1

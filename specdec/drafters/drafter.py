@@ -149,11 +149,11 @@ class Drafter(nn.Module):
     ) -> None:
         """Called after the prefill and after every verify with the base features of the newly committed
         positions: feats.hidden[l] [B, n, H] for l in feature_layers, feats.logits [B, n, V] the base's logits
-        there after a verify for a drafter that sets `reads_logits` (None otherwise, after the prefill, where a prompt-long
-        lm_head is not paid for, and after a greedy verify that took the base's argmax without its logits:
-        SamplerConfig.greedy_shortlist), tokens [B, n] at those
-        positions, n_new [B] how many of the n are valid per row (ragged acceptance; the rest is padding), and
-        next_token [B] the base's newly emitted token that follows them (the next round's root)."""
+        there after a verify for a drafter that sets `reads_logits` (None otherwise, after the prefill, where a
+        prompt-long lm_head is not paid for, and after a greedy verify that took the base's argmax without its logits:
+        SamplerConfig.greedy_shortlist), tokens [B, n] at those positions, n_new [B] how many of the n are valid per
+        row (ragged acceptance; the rest is padding), and next_token [B] the base's newly emitted token that follows
+        them (the next round's root)."""
         raise NotImplementedError
 
     def expand(

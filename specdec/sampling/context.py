@@ -227,7 +227,8 @@ class SamplingContext:
             return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
         out = base.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
-            use_cache=True, output_hidden_states=bool(feature_layers), **cache_arg(base.model.model, self._store("base")),
+            use_cache=True, output_hidden_states=bool(feature_layers),
+            **cache_arg(base.model.model, self._store("base")),
         )
         hidden = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
         return out.last_hidden_state, hidden

@@ -304,10 +304,10 @@ def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def finite_argmax(logits: torch.Tensor, where: str) -> torch.Tensor:
-    """logits [..., V].argmax(-1), failing as `finite` does where greedy decoding would emit garbage: a NaN anywhere in a
-    row is its max (PyTorch orders NaN above every number, as argmax does, the first on a tie), so is +inf, and a row all
-    -inf has no finite max. One op where `finite` and the argmax took four, each ~20 µs on a 2-core CPU right after a
-    forward. Unlike `finite`, an -inf logit below a finite max passes: it changes no greedy token."""
+    """logits [..., V].argmax(-1), failing as `finite` does where greedy decoding would emit garbage: a NaN anywhere in
+    a row is its max (PyTorch orders NaN above every number, as argmax does, the first on a tie), so is +inf, and a row
+    all -inf has no finite max. One op where `finite` and the argmax took four, each ~20 µs on a 2-core CPU right after
+    a forward. Unlike `finite`, an -inf logit below a finite max passes: it changes no greedy token."""
     best, target = logits.max(-1)
     if not all(map(math.isfinite, best.flatten().tolist())):
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "

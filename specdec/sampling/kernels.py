@@ -50,10 +50,10 @@ from specdec.sampling.lean import decode_linears, fuse_norms, lean_layers
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
 # Row buckets measured; more rows: `linear`. Past 64 they are a prompt's prefill (~100-300 tokens of a HumanEval chat
-# prompt), which ran PyTorch's default product for want of a bucket: 40 % of a 128-token answer's time in our AR loop on
-# a 2-core Zen 5 EPYC, where the compact and oneDNN products at 150 rows take ~0.4x MKL's time.
+# prompt), which ran PyTorch's default product for want of a bucket: 40 % of a 128-token answer's time in our AR loop
+# on a 2-core Zen 5 EPYC, where the compact and oneDNN products at 150 rows take ~0.4x MKL's time.
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-LARGE_ROWS, LARGE_WEIGHTS = 64, 4  # past LARGE_ROWS a product is compute-bound: LARGE_WEIGHTS weights per timing suffice
+LARGE_ROWS, LARGE_WEIGHTS = 64, 4  # past LARGE_ROWS products are compute-bound: LARGE_WEIGHTS weights a timing suffice
 # A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
 # every candidate; if the stored kernel is now SLOWER than the best by this factor, the table was measured while the
 # machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
