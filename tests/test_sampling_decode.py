@@ -220,10 +220,14 @@ def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, cost,
 
 
 def test_rounds_know_when_they_are_chains():
-    """A chain's round says so (the sampler then skips checking its parents and moving its accepted path)."""
+    """A chain's round says so (the sampler then moves nothing of its accepted path)."""
     from specdec.sampling.lookup import lookup_round
-    from specdec.sampling.trees import chain_paths, static_tree
+    from specdec.sampling.trees import Round, chain_paths, static_tree
 
-    assert static_tree(tuple(chain_paths(3))).chain
-    assert not static_tree(((0,), (1,), (0, 0))).chain
-    assert lookup_round(torch.tensor([5]), [[1, 2]]).chain
+    def round_of(paths):
+        t = static_tree(paths)
+        return Round(torch.zeros(1, t.parents.numel(), dtype=torch.long), t.parents, t.depth, t.ancestors, t.depth)
+
+    assert round_of(tuple(chain_paths(3))).is_chain()
+    assert not round_of(((0,), (1,), (0, 0))).is_chain()
+    assert lookup_round(torch.tensor([5]), [[1, 2]]).is_chain()

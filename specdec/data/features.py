@@ -124,8 +124,9 @@ def _resolve_precision(precision: str, base: Base, out: Path) -> str:
         raise ValueError(f"precision must be auto, fp32 or bf16, got {precision!r}")
     if precision != AUTO:
         return precision
-    if (out / "meta.json").exists():
-        return json.loads((out / "meta.json").read_text()).get("precision", "fp32")
+    existing = _existing_meta(out)
+    if existing is not None:
+        return existing["precision"]
     if base.dtype != torch.float32:  # a base loaded in bf16/fp16 runs in its own dtype either way
         return "fp32"
     chosen, why = choose_precision(base.device, base.hidden_size, base.vocab_size)
@@ -153,18 +154,26 @@ def _tokens_hash(splits: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:24]
 
 
-def _write_or_check_meta(out: Path, meta: dict) -> None:
+def _existing_meta(out: Path) -> dict | None:
+    """The meta.json of a cache begun under `out`, or None."""
     path = out / "meta.json"
-    if path.exists():
-        old = json.loads(path.read_text())
-        old.setdefault("precision", "fp32")  # a cache from before the option: the base in its own dtype
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    meta.setdefault("precision", "fp32")  # a cache from before the option: the base in its own dtype
+    return meta
+
+
+def _write_or_check_meta(out: Path, meta: dict) -> None:
+    old = _existing_meta(out)
+    if old is not None:
         diff = sorted(k for k in meta if old.get(k) != meta[k])
         if diff:
             raise ValueError(f"{out} holds a feature cache with other {', '.join(diff)}; "
                              f"use another out_dir or delete it")
         return
     out.mkdir(parents=True, exist_ok=True)
-    write_json(path, meta)
+    write_json(out / "meta.json", meta)
 
 
 def read_meta(path: str | Path) -> dict:

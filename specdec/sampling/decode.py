@@ -430,7 +430,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                 drafter.skip_round(state)
         elif drafter is None:
             rnd = Round(root[:, None], torch.tensor([-1]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
-                        torch.tensor([0]), chain=True)
+                        torch.tensor([0]))
         else:
             if length is not None:
                 length.active = torch.tensor([not done[row] for row in rows], device=dev)
@@ -461,8 +461,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         t3 = wall_clock(dev)
         if drafter is not None:
             n = max(n_acc_host) + 1
-            chain = rnd.chain or bool((rnd.parents[1:] == torch.arange(rnd.size - 1)).all())
-            if not chain:
+            if not rnd.is_chain():
                 ctx.move_path(path[:, :n], rnd.draft_slots.to(dev)[path[:, :n]])  # a chain needs no move
             sel = path[:, :n]  # [B, n]
             gathered = {l: h.gather(1, sel[..., None].expand(-1, -1, h.shape[-1])) for l, h in feats.items()}

@@ -129,4 +129,4 @@ class DraftGraph:
             self.graph.replay()
             rnd, tables = self.out
         state.update({k: v for k, v in tables.items() if isinstance(v, NodeTable)})  # the round's own tables
-        return Round(rnd.tokens.clone(), rnd.parents, rnd.depth, rnd.ancestors, rnd.draft_slots, chain=rnd.chain)
+        return Round(rnd.tokens.clone(), rnd.parents, rnd.depth, rnd.ancestors, rnd.draft_slots)

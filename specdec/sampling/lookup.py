@@ -41,5 +41,4 @@ def lookup_round(root: torch.Tensor, proposals: list[list[int]]) -> Round:
         ancestors=torch.ones(n, n, dtype=torch.bool).tril(),
         draft_slots=torch.arange(n),
         limit=torch.tensor([len(p) for p in proposals], device=root.device),
-        chain=True,
     )
