@@ -110,6 +110,29 @@ def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
     assert_family_lossless(base, prompts, drafter)
 
 
+@pytest.mark.parametrize("path", [None, *drafter_configs()], ids=lambda p: "oracle" if p is None else p.stem)
+def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, monkeypatch):
+    """A chain at T = 0 is drafted column by column (trees._greedy_chain) instead of through the tree's gathers and
+    scatters: the same drafts, so the same accepted counts, for every family (state read from parents, layers run)
+    and for an oracle right for two tokens a round (so that drafts are accepted)."""
+    import dataclasses
+
+    from specdec.sampling import trees
+
+    drafter = Oracle(base, 2) if path is None else family_drafter(base, path)
+    depth = min(3, drafter.max_depth or 3)
+    assert trees.static_tree(tuple(trees.chain_paths(depth))).chain
+    assert not trees.static_tree(((0,), (1,))).chain
+    chained = generate(base, prompts, drafter, cfg(gamma=depth))
+    tree_path = trees.static_tree
+    monkeypatch.setattr(trees, "static_tree", lambda paths: dataclasses.replace(tree_path(paths), chain=False))
+    gathered = generate(base, prompts, drafter, cfg(gamma=depth))
+    assert chained.tokens.tolist() == gathered.tokens.tolist() == reference(base, prompts)
+    assert chained.accepted == gathered.accepted and chained.drafted == gathered.drafted
+    if path is None:
+        assert all(row[:-1] == [2] * (len(row) - 1) for row in chained.accepted)
+
+
 @pytest.mark.parametrize("kw", [dict(gamma=4), dict(tree="static", paths=TREE)])
 def test_kv_rollback_matches_fresh_forward(base, prompts, kw):
     """After rejections, the base's cached verify logits of every committed position equal a no-cache forward
