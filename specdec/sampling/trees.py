@@ -204,7 +204,8 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     With `keep_going` (adaptive draft length, chains only) each row's chain ends after its first token for which
     keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
     softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
-    the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification."""
+    the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification. A chain with
+    neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops."""
     tree = static_tree(tuple(map(tuple, paths)))
     if tree.chain and sample_chain is None and keep_going is None:
         return _greedy_chain(drafter, state, ctx, root, tree)
