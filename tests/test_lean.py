@@ -167,6 +167,13 @@ def test_rotary_table_is_the_modules_own_numbers_or_steps_aside(base):
     got = table(pos)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert all(torch.equal(a, b) for a, b in zip(table.lean(pos), lean_rope(*ref)))
+    # one row at consecutive positions (a chain, an observe): views of the table's rows, the same numbers
+    assert all(torch.equal(a, b) for a, b in zip(table.lean_run(-1, 4), table.lean(torch.tensor([[-1, 0, 1, 2]]))))
+    ctx = SamplingContext(base, 1, 40)
+    ctx.commit(torch.tensor([5]), [5])
+    ctx.commit_layout(3)
+    assert all(torch.equal(a, b) for a, b in zip(ctx._rotary(like, -1, hf=False, fast=True)[1],
+                                                 table.lean(ctx.positions - 1)))
 
     half = base.rotary_emb.inv_freq.numel()
 
@@ -178,7 +185,7 @@ def test_rotary_table_is_the_modules_own_numbers_or_steps_aside(base):
     base.model.model.rotary_emb = CallDependent()
     ctx = SamplingContext(base, 1, 40)
     ctx.commit_layout(3)
-    cos, sin = ctx._rotary(like, ctx.positions, 0, hf=True, fast=False)[0]
+    cos, sin = ctx._rotary(like, 0, hf=True, fast=False)[0]
     assert not ctx.rope.exact and torch.equal(cos, CallDependent()(like, ctx.positions)[0])  # the module ran itself
 
 

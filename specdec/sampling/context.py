@@ -37,6 +37,7 @@ def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 class SamplingContext:
     def __init__(self, base: Base, batch_size: int, max_len: int, lean: bool = True, graphs: bool = False):
         self.base = base
+        self.dtype = base.dtype  # (Base.dtype goes through HF's embedding getters: ~5-10 µs a read)
         self.max_len = max_len
         self.lean = lean  # Llama-style layers through specdec.sampling.lean (False: each layer's own HF forward)
         # forwards of a few tokens (base and drafter layers) replayed from CUDA graphs (graphs.py) where they can be;
@@ -52,6 +53,8 @@ class SamplingContext:
         self.positions: torch.Tensor | None = None  # [B, n]
         self._visible: torch.Tensor | None = None  # [n, r] the round slots each query sees
         self._mask: torch.Tensor | None | object = None  # see `mask`
+        self._sees_all = False  # one query that sees every round slot up to its own: it needs no mask
+        self._start: int | None = None  # one row, consecutive rotary positions: the first (host), else None
         self.width = 0
         self.write_start: int | None = None
         self.span = (0, 0)  # lowest and highest position of the layout (host ints)
@@ -89,6 +92,9 @@ class SamplingContext:
         contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
         self.write_start = lmax + rel_host[0] if lmin == lmax and contiguous else None
         self._visible = visible[:, :r]
+        self._sees_all = n == 1 and bool(self._visible.numpy().all())  # (numpy: no dispatch for a few bools)
+        consecutive = depth_host == list(range(depth_host[0], depth_host[0] + n))
+        self._start = lmax + depth_host[0] if len(self.length_host) == 1 and consecutive else None
         self._mask = _PENDING
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -117,12 +123,12 @@ class SamplingContext:
         return self._mask
 
     def _make_mask(self) -> torch.Tensor | None:
-        dev, dtype = self.length.device, self.base.dtype
+        dev, dtype = self.length.device, self.dtype
         visible = self._visible  # [n, r]
         n, r = visible.shape
         lmax, neg = self.width - r, torch.finfo(dtype).min
         if min(self.length_host) == lmax:  # every row at the same length: one mask for all
-            if n == 1 and bool(visible.all()):
+            if self._sees_all:
                 return None  # one query that sees the whole window: sdpa needs no mask
             mask = torch.zeros(n, self.width, dtype=dtype, device=dev)
             mask[:, lmax:].masked_fill_(~self.on_device(visible), neg)  # the committed prefix is seen by all
@@ -160,8 +166,7 @@ class SamplingContext:
              norm: nn.Module | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over hidden [B, n, H] (each lean where `fast` has it), rotated at the layout's positions +
         position_offset, then `norm` if given -> [B, n, H] and {i: the input of layer i} for i in keep."""
-        pos = self.positions + position_offset if position_offset else self.positions  # [B, n]
-        rope, lean_table = self._rotary(hidden, pos, position_offset, any(f is None for f in fast),
+        rope, lean_table = self._rotary(hidden, position_offset, any(f is None for f in fast),
                                         any(f is not None for f in fast))
         inputs, mask = {}, self.mask
         if lean_table is not None and all(f is not None for f in fast):  # every layer lean: one native call?
@@ -175,20 +180,28 @@ class SamplingContext:
                 hidden = lean_layer(hidden, lean_table, mask, cache)
                 continue
             out = layer(
-                hidden, attention_mask=mask, position_ids=pos, use_cache=True, **cache_arg(layer, cache),
-                position_embeddings=rope,
+                hidden, attention_mask=mask, position_ids=self._positions(position_offset), use_cache=True,
+                **cache_arg(layer, cache), position_embeddings=rope,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return (hidden if norm is None else norm(hidden)), inputs
 
-    def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor, offset: int, hf: bool, fast: bool):
-        """The rotary (cos, sin) [B, n, head_dim] at pos [B, n] for HF layers (if hf) and their `lean_rope` form for
-        lean layers (if fast; made once for all of them), looked up in the context's table where it holds them."""
+    def _positions(self, offset: int) -> torch.Tensor:
+        """The layout's rotary positions + offset [B, n]."""
+        return self.positions + offset if offset else self.positions
+
+    def _rotary(self, hidden: torch.Tensor, offset: int, hf: bool, fast: bool):
+        """The rotary (cos, sin) [B, n, head_dim] at the layout's positions + offset for HF layers (if hf) and their
+        `lean_rope` form for lean layers (if fast; made once for all of them), looked up in the context's table where
+        it holds them: for one row at consecutive positions (a chain, an `observe`) as a view of its rows."""
         if self.rope is None:
             self.rope = RotaryTable(self.base.rotary_emb, hidden, self.max_len)
         if self.rope.covers(self.span[0] + offset, self.span[1] + offset):
+            if self._start is not None and not hf:
+                return None, self.rope.lean_run(self._start + offset, self.positions.shape[1])
+            pos = self._positions(offset)
             return self.rope(pos) if hf else None, self.rope.lean(pos) if fast else None
-        rope = self.base.rotary_emb(hidden, pos)
+        rope = self.base.rotary_emb(hidden, self._positions(offset))
         return rope, lean_rope(*rope) if fast else None
 
     def _lean(self, layers: Sequence[nn.Module]) -> list[LeanLayer | None]:

@@ -147,17 +147,15 @@ class _Call:
     layer.c's arguments after h and n (`args`)."""
 
     def __init__(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                 cache: SlotCache, layers: list[NativeLayer]):
+                 cache: SlotCache, shapes: list[NativeLayer]):
+        """shapes: one layer of each shape in the forward (`_shapes`), which size the scratch."""
         n, width = out.shape[1], cache.width
         # kept as attributes: layer.c reads them by address during the call
         self.slots = cache.write_slots.reshape(n).contiguous()  # [n] int64
         self.cos, self.sin = (t.reshape(n, -1).contiguous() for t in rope)  # [n, d] each
         self.mask = None if mask is None else mask.reshape(n, width).contiguous()  # [n, W] additive
         threads = torch.get_num_threads()
-        shapes = {(l.struct.hidden, l.struct.heads, l.struct.kv_heads, l.struct.head_dim, l.struct.intermediate): l
-                  for l in layers}  # one of each shape (a model's layers are all alike)
-        scratch = _scratch(max(l.lib.smallm_layer_scratch(ctypes.byref(l.struct), n, width, threads)
-                               for l in shapes.values()))
+        scratch = _scratch(max(l.lib.smallm_layer_scratch(ctypes.byref(l.struct), n, width, threads) for l in shapes))
         self.args = (n, self.cos.data_ptr(), self.sin.data_ptr(), self.slots.data_ptr(), width,
                      None if self.mask is None else self.mask.data_ptr(), scratch.data_ptr(), threads)
 
@@ -183,7 +181,14 @@ def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torc
     return norm(done[0]), done[1]
 
 
-_STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array]] = {}  # a few recent stacks' pointer arrays
+# a few recent stacks: (their layers, the pointer array layer.c walks, one layer of each shape among them)
+_STACKS: dict[tuple[int, ...], tuple[list[NativeLayer], ctypes.Array, list[NativeLayer]]] = {}
+
+
+def _shapes(layers: list[NativeLayer]) -> list[NativeLayer]:
+    """One layer of each shape among `layers` (a model's layers are all alike)."""
+    return list({(l.struct.hidden, l.struct.heads, l.struct.kv_heads, l.struct.head_dim, l.struct.intermediate): l
+                 for l in layers}.values())
 
 
 def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -193,15 +198,16 @@ def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torc
     if ids not in _STACKS:
         if len(_STACKS) >= 4:
             _STACKS.pop(next(iter(_STACKS)))
-        _STACKS[ids] = (layers, (ctypes.c_void_p * len(layers))(*(ctypes.addressof(l.struct) for l in layers)))
-    array = _STACKS[ids][1]
+        _STACKS[ids] = (layers, (ctypes.c_void_p * len(layers))(*(ctypes.addressof(l.struct) for l in layers)),
+                        _shapes(layers))
+    _, array, shapes = _STACKS[ids]
     if not all(l.bind(cache, hidden) for l in layers):
         return None
     out = hidden.contiguous().clone()  # written in place (the input may be kept)
     inputs = {i: torch.empty_like(out) for i in keep if i < len(layers)}
     kept = (ctypes.c_void_p * len(layers))(*(inputs[i].data_ptr() if i in inputs else None
                                              for i in range(len(layers)))) if inputs else None
-    call = _Call(out, rope, mask, cache, layers)
+    call = _Call(out, rope, mask, cache, shapes)
     lib = layers[0].lib
     if norm is None:
         done = lib.smallm_layers(array, len(layers), out.data_ptr(), *call.args, kept)

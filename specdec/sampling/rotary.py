@@ -59,3 +59,8 @@ class RotaryTable:
         """Positions [B, n] -> `lean_rope` of the module's (cos, sin): [B, 1, n, d] each."""
         rows = pos + MARGIN
         return self.lean_cos[rows][:, None], self.lean_sin[rows][:, None]
+
+    def lean_run(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lean` of one row at positions start .. start + n - 1, as views of the table: [1, 1, n, d] each (read only)."""
+        rows = slice(start + MARGIN, start + MARGIN + n)
+        return self.lean_cos[rows][None, None], self.lean_sin[rows][None, None]
