@@ -3,9 +3,12 @@ weights exact (fp32), as bfloat16 copies, with Q8_0 blocks allowed too (q8, the 
 Q4_1 blocks too (q4), per family.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48] [--precisions q8 q4]
+                                                                       [--reps 5]
 
 Untrained drafters (the cost does not depend on the weights), SmolLM2, one HumanEval prompt, chain γ, T = 0, in
-our sampler with the measured kernels; T_1 is one base forward over one token (specdec/sampling/cost.py), same run.
+our sampler with the measured kernels; the draft time a round is the median over `reps` decodes of each decode's mean
+(one decode's read ±15 % on a 2-core Zen 5 from run to run); T_1 is one base forward over one token
+(specdec/sampling/cost.py, a median of its own), same run.
 
 Beside each c, the ratio of bytes: a draft depth reads each of the drafter's decode weights once and a base step each
 of the base's, so the drafter's weight bytes (each in the narrowest form the precision allows: its exact compact form,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -55,6 +59,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "q8", "q4"])
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="experiments/results/bench/draft_cost.json")
     args = ap.parse_args()
     base = load_base(device="cpu")
@@ -70,8 +75,9 @@ def main() -> None:
             for precision in args.precisions:
                 pcfg = replace(cfg, draft_precision=precision)
                 generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
-                r = generate(base, [prompt], drafter, pcfg)
-                c = sum(r.step_draft_s) / len(r.step_draft_s) / args.gamma / t1
+                per_round = [sum(r.step_draft_s) / len(r.step_draft_s)
+                             for r in (generate(base, [prompt], drafter, pcfg) for _ in range(args.reps))]
+                c = statistics.median(per_round) / args.gamma / t1
                 name = f"{family}, vocab {vocab or base.vocab_size}, {precision}"
                 rows[name] = round(c, 4)
                 # a depth's products: the prophet's block, fc and projection; one Medusa head (its γ heads draft one
@@ -86,8 +92,10 @@ def main() -> None:
                       f"{step_bytes / 1e6:.1f} MB a step)", flush=True)
     report = {"cpu": machine_key(), "gamma": args.gamma, "t1_ms": round(t1 * 1e3, 2), "c_per_depth": rows,
               "bytes_per_depth_over_step": ratios, "base_step_bytes": step_bytes,
+              "reps": args.reps,
               "command": f"OMP_NUM_THREADS={torch.get_num_threads()} .venv/bin/python experiments/bench_draft_cost.py "
-                         f"--gamma {args.gamma} --new {args.new} --precisions {' '.join(args.precisions)}"}
+                         f"--gamma {args.gamma} --new {args.new} --precisions {' '.join(args.precisions)} "
+                         f"--reps {args.reps}"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -113,8 +113,9 @@ def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
 @pytest.mark.parametrize("path", [None, *drafter_configs()], ids=lambda p: "oracle" if p is None else p.stem)
 def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, monkeypatch):
     """A chain at T = 0 is drafted column by column (trees._greedy_chain) instead of through the tree's gathers and
-    scatters: the same drafts, so the same accepted counts, for every family (state read from parents, layers run)
-    and for an oracle right for two tokens a round (so that drafts are accepted)."""
+    scatters: the same drafts, so the same accepted counts, for every family (state read from parents, layers run;
+    Medusa's whole chain at once, `Drafter.greedy_chain`) and for an oracle right for two tokens a round (so that
+    drafts are accepted)."""
     import dataclasses
 
     from specdec.sampling import trees

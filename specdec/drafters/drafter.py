@@ -169,6 +169,13 @@ class Drafter(nn.Module):
         and the drafted token always agree."""
         raise NotImplementedError
 
+    def greedy_chain(self, state: Any, gamma: int) -> torch.Tensor | None:
+        """A greedy chain's γ drafted tokens [B, γ] (base ids) at once, for a drafter whose logits at depth d do not
+        depend on the tokens drafted before it (Medusa: head d+1 reads h_t only): each the top-1 of what `expand` would
+        give at that depth, its state left as those `expand` calls would leave it. None (the default): the sampler
+        expands the chain depth by depth."""
+        return None
+
     # -- drafters with nothing to train by gradient ---------------------------------------------
     calibration_metrics: tuple[str, ...] = ()  # the metric names `calibrate` returns (what a sweep may optimise)
 

@@ -251,7 +251,12 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
 
 def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree) -> Round:
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
-    of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU)."""
+    of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
+    or the whole chain at once where the drafter drafts it so (`Drafter.greedy_chain`)."""
+    drafted = drafter.greedy_chain(state, len(tree.levels))  # [B, γ] or None
+    if drafted is not None:
+        return Round(tokens=torch.cat([root[:, None], drafted], 1), parents=tree.parents, depth=tree.depth,
+                     ancestors=tree.ancestors, draft_slots=tree.slots)
     columns = [root]  # [B] each: the root, then the token drafted at each depth
     for level in tree.levels:
         if drafter.runs_layers:
