@@ -53,7 +53,6 @@ class SamplingContext:
         self.positions: torch.Tensor | None = None  # [B, n]
         self._visible: torch.Tensor | None = None  # [n, r] the round slots each query sees
         self._mask: torch.Tensor | None | object = None  # see `mask`
-        self._sees_all = False  # one query that sees every round slot up to its own: it needs no mask
         self._start: int | None = None  # one row, consecutive rotary positions: the first (host), else None
         self.width = 0
         self.write_start: int | None = None
@@ -92,7 +91,6 @@ class SamplingContext:
         contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
         self.write_start = lmax + rel_host[0] if lmin == lmax and contiguous else None
         self._visible = visible[:, :r]
-        self._sees_all = n == 1 and bool(self._visible.numpy().all())  # (numpy: no dispatch for a few bools)
         consecutive = depth_host == list(range(depth_host[0], depth_host[0] + n))
         self._start = lmax + depth_host[0] if len(self.length_host) == 1 and consecutive else None
         self._mask = _PENDING
@@ -128,7 +126,7 @@ class SamplingContext:
         n, r = visible.shape
         lmax, neg = self.width - r, torch.finfo(dtype).min
         if min(self.length_host) == lmax:  # every row at the same length: one mask for all
-            if self._sees_all:
+            if n == 1 and bool(visible.numpy().all()):  # (numpy: no op dispatch for a few bools)
                 return None  # one query that sees the whole window: sdpa needs no mask
             mask = torch.zeros(n, self.width, dtype=dtype, device=dev)
             mask[:, lmax:].masked_fill_(~self.on_device(visible), neg)  # the committed prefix is seen by all
