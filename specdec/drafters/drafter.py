@@ -169,11 +169,13 @@ class Drafter(nn.Module):
         and the drafted token always agree."""
         raise NotImplementedError
 
-    def greedy_chain(self, state: Any, gamma: int) -> torch.Tensor | None:
-        """A greedy chain's γ drafted tokens [B, γ] (base ids) at once, for a drafter whose logits at depth d do not
-        depend on the tokens drafted before it (Medusa: head d+1 reads h_t only): each the top-1 of what `expand` would
-        give at that depth, its state left as those `expand` calls would leave it. None (the default): the sampler
-        expands the chain depth by depth."""
+    def greedy_chain(self, state: Any, ctx: DraftContext, gamma: int) -> torch.Tensor | None:
+        """A greedy chain's γ drafted tokens [B, γ] (base ids) in one go, each the top-1 of what `expand` would give at
+        that depth, its state and stores left as those `expand` calls would leave them: for a drafter whose logits at
+        depth d do not depend on the tokens drafted before it (Medusa: head d+1 reads h_t only), or that runs its whole
+        chain in one native call (the prophet: specdec/sampling/native_chain.py). None (the default, or where it cannot
+        this round): the sampler expands the chain depth by depth. Where both run, the sampler times them and keeps
+        the faster (trees._greedy_chain)."""
         return None
 
     # -- drafters with nothing to train by gradient ---------------------------------------------
@@ -244,6 +246,13 @@ class NodeTable:
     def __init__(self):
         self.rows: torch.Tensor | None = None
         self.count = 0  # highest node index stored + 1
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> NodeTable:
+        """A table holding rows [B, N, ...] at nodes 0 .. N-1 (a chain's, drafted in one go)."""
+        table = cls()
+        table.rows, table.count = rows, rows.shape[1]
+        return table
 
     def get(self, index: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
         """Rows at node indices index [N] (host) -> [B, N, ...]."""

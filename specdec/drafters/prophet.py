@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from specdec.base import LAST, Base, Features, cache_arg
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+from specdec.sampling import native_chain
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
 POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
@@ -224,6 +225,20 @@ class Prophet(Drafter):
         hat, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
         state["hats"].put(hat, nodes, ctx)
         return logits
+
+    def greedy_chain(self, state, ctx: DraftContext, gamma: int) -> torch.Tensor | None:
+        """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None."""
+        head = self.lm_head if self.lm_head is not None else (
+            self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head)
+        parts = native_chain.ChainParts(
+            embed=self.base.embed_tokens.weight, emb_norm=self.emb_norm, fc=self.fc, blocks=self.blocks,
+            norm=self.norm, head=head, vocab=None if self.draft_vocab is None else self.draft_vocab.tokens)
+        drafted = native_chain.draft(self, parts, ctx, state["root"], gamma, STORE, POSITION_OFFSET)
+        if drafted is None:
+            return None
+        tokens, hats = drafted  # [1, γ], [1, γ, H]
+        state["hats"] = NodeTable.of(hats)  # nodes 0 .. γ-1, as the chain's expand calls leave it
+        return tokens
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

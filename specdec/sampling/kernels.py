@@ -547,4 +547,5 @@ def _forward(lin: nn.Linear, plan: list[tuple[Kernel, torch.Tensor] | None]) -> 
         y = kernel(x.reshape(rows, x.shape[-1]), operand).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
+    forward.plan = plan  # (read by native_chain: the copy a weight is multiplied from)
     return forward

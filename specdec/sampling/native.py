@@ -1,6 +1,7 @@
 """The small-M product of smallm.c, built on first use by this machine's C compiler for this machine's CPU: one more
 candidate for the kernel table (kernels.py), used where measurement on this machine picks it; and, in the same library,
-a whole lean decoder layer over that product (layer.c, used through native_layer.py where measurement picks it).
+a whole lean decoder layer over that product (layer.c, used through native_layer.py where measurement picks it), and a
+feature drafter's whole greedy chain over both (chain.c, through native_chain.py).
 
 (A native RMSNorm and a native attention called one op at a time were tried first: the norm saved ~9 µs a call, about
 0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x with scalar expf. What pays is the whole layer in one
@@ -31,6 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("smallm.c")  # the products (what the kernel table's signature covers)
 LAYER_SOURCE = Path(__file__).with_name("layer.c")  # a whole decoder layer over them (native_layer.py)
+CHAIN_SOURCE = Path(__file__).with_name("chain.c")  # a feature drafter's greedy chain over both (native_chain.py)
 CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "native"
 # tried in order: the first set the compiler accepts is used (-march=native is not on every compiler and target;
 # without OpenMP the kernel runs on one thread and measurement will rarely pick it, but it stays correct)
@@ -62,7 +64,7 @@ def _cpu_signature() -> str:
 def _build(compiler: str) -> Path | None:
     """The shared library for this CPU, compiled now unless cached; None when no flag set compiles."""
     global build_s
-    sources = [SOURCE, LAYER_SOURCE]
+    sources = [SOURCE, LAYER_SOURCE, CHAIN_SOURCE]
     source = b"".join(s.read_bytes() for s in sources)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -114,7 +116,7 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEC_NATIVE", "1") == "0":
         return None
     compiler = find_compiler()
-    if compiler is None or not (SOURCE.exists() and LAYER_SOURCE.exists()):
+    if compiler is None or not all(s.exists() for s in (SOURCE, LAYER_SOURCE, CHAIN_SOURCE)):
         return None
     path = _build(compiler)
     if path is None:
@@ -157,6 +159,14 @@ def open_library(path: Path | str) -> ctypes.CDLL:
             lib.smallm_rms_norm.restype = None
             lib.smallm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                             ctypes.c_int, ctypes.c_float]
+    chain = getattr(lib, "smallm_feature_chain", None)  # (an older revision's library lacks it)
+    if chain is not None:
+        chain.restype = ctypes.c_int
+        chain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_void_p]
+        lib.smallm_chain_work.restype = ctypes.c_long
+        lib.smallm_chain_work.argtypes = [ctypes.c_void_p]
     return lib
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import heapq
+import statistics
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -252,19 +255,55 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
 def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree) -> Round:
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
     of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
-    or the whole chain at once where the drafter drafts it so (`Drafter.greedy_chain`)."""
-    drafted = drafter.greedy_chain(state, len(tree.levels))  # [B, γ] or None
+    or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
+    faster here (`_Race`)."""
+    gamma = len(tree.levels)
+    race = _RACES.setdefault(drafter, {}).setdefault(gamma, _Race()) if ctx.length.device.type == "cpu" else None
+    whole = race is None or race.whole()
+    start = time.perf_counter()
+    drafted = drafter.greedy_chain(state, ctx, gamma) if whole else None  # [B, γ] or None
     if drafted is not None:
-        return Round(tokens=torch.cat([root[:, None], drafted], 1), parents=tree.parents, depth=tree.depth,
-                     ancestors=tree.ancestors, draft_slots=tree.slots)
-    columns = [root]  # [B] each: the root, then the token drafted at each depth
-    for level in tree.levels:
-        if drafter.runs_layers:
-            ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
-        logits = drafter.expand(state, ctx, columns[-1][:, None], level.parents, level.depth, level.frontier)
-        columns.append(drafter.token_ids(logits[:, 0].argmax(-1)))  # [B, 1, V_d] -> [B]
-    return Round(tokens=torch.stack(columns, 1), parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
+        tokens = torch.cat([root[:, None], drafted], 1)
+    else:
+        columns = [root]  # [B] each: the root, then the token drafted at each depth
+        for level in tree.levels:
+            if drafter.runs_layers:
+                ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
+            logits = drafter.expand(state, ctx, columns[-1][:, None], level.parents, level.depth, level.frontier)
+            columns.append(drafter.token_ids(logits[:, 0].argmax(-1)))  # [B, 1, V_d] -> [B]
+        tokens = torch.stack(columns, 1)
+    if race is not None and (drafted is not None or not whole):  # (a round where greedy_chain could not: not timed)
+        race.record(drafted is not None, time.perf_counter() - start)
+    return Round(tokens=tokens, parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
                  draft_slots=tree.slots)
+
+
+class _Race:
+    """Whether a drafter's whole-chain draft (`Drafter.greedy_chain`) beats its depth-by-depth one on this machine, per
+    chain length: its first ROUNDS rounds each way, alternating, timed; then the faster by median for the rest of the
+    process. (Medusa's is the same math in fewer ops; the prophet's is a native call whose gain is the CPU's to say.)
+    Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for it."""
+
+    ROUNDS = 3
+
+    def __init__(self):
+        self.times: tuple[list[float], list[float]] = ([], [])  # seconds a round: depth by depth, whole
+        self.winner: bool | None = None  # True: whole
+
+    def whole(self) -> bool:
+        if self.winner is not None:
+            return self.winner
+        return len(self.times[1]) <= len(self.times[0])
+
+    def record(self, whole: bool, seconds: float) -> None:
+        if self.winner is not None:
+            return
+        self.times[whole].append(seconds)
+        if min(map(len, self.times)) >= self.ROUNDS:
+            self.winner = statistics.median(self.times[1]) <= statistics.median(self.times[0])
+
+
+_RACES: weakref.WeakKeyDictionary[Drafter, dict[int, _Race]] = weakref.WeakKeyDictionary()
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,

@@ -1,0 +1,156 @@
+"""The prophet's greedy chain in one native call (specdec/sampling/chain.c via native_chain.py): the tokens, predicted
+features and acceptances of its depth-by-depth `expand` calls, lossless decoding, the depth-by-depth draft wherever the
+call is not taken, and the faster way kept by measurement (trees._Race)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from specdec.base import tiny_base
+from specdec.drafters.prophet import Prophet
+from specdec.sampling import kernels, native, native_chain, native_layer, trees
+from specdec.sampling.decode import SamplerConfig, generate
+
+needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+                                    reason="no C compiler on this machine")
+CHAIN, DRAFT = trees._greedy_chain, native_chain.draft  # (wrapped by `decode`)
+
+
+@pytest.fixture
+def base():
+    # head_dim 16 (layer.c takes multiples of the vector width)
+    return tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
+
+
+@pytest.fixture
+def native_layers(monkeypatch):
+    """Measurement always picks the native layers (timings faked into a copy of the process-wide table, stored
+    nowhere), so that the prophet's block has its native form for one row."""
+    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
+        r: {"lean": 2.0, **{way: 1.0 for way in ways}} for r in counts})
+    shared = copy.copy(kernels.default_table())
+    shared.path, shared.layers = None, dict(shared.layers)
+    monkeypatch.setattr(kernels, "_TABLE", shared)
+
+
+PROMPT = list(range(40, 61))
+
+
+def plain(base, prompts=(PROMPT,), new: int = 16):
+    return generate(base, list(prompts), None, SamplerConfig(max_new_tokens=new, eos_token_id=[])).tokens.tolist()
+
+
+def prophet(base, vocab: int | None, layers: int = 1, seed: int = 0) -> Prophet:
+    """A fresh prophet (the base's own head on h_t at depth 0), perturbed so that every weight matters; its draft vocab
+    random tokens and those the base writes (as one counted on the base's own text would hold them)."""
+    d = Prophet(base, num_layers=layers, draft_vocab_size=vocab)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    if vocab:
+        written = torch.tensor(sorted(set(plain(base)[0])))
+        rest = torch.randperm(base.vocab_size, generator=gen)
+        rest = rest[~torch.isin(rest, written)][: vocab - len(written)]
+        d.set_draft_vocab(torch.cat([written, rest]))
+    return d.eval()
+
+
+def decode(base, drafter, monkeypatch, whole: bool, **kw):
+    """generate() with the chain drafted in one call (whole) or depth by depth, recording each round's drafted tokens,
+    the predicted features it left in the state and whether the native chain ran."""
+    monkeypatch.setattr(trees._Race, "whole", lambda self: whole)
+    rounds, ran = [], []
+
+    def recorded(drafter_, state, ctx, root, tree):
+        out = CHAIN(drafter_, state, ctx, root, tree)
+        gamma = len(tree.levels)
+        rounds.append((out.tokens.clone(), state["hats"].get(torch.arange(gamma), ctx).clone()))
+        return out
+
+    def counted(*args):
+        out = DRAFT(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(trees, "_greedy_chain", recorded)
+    monkeypatch.setattr(native_chain, "draft", counted)
+    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], **{"gamma": 4} | kw)
+    return generate(base, [PROMPT], drafter, cfg), rounds, ran
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab, layers, precision, gamma", [(48, 1, "fp32", 4), (None, 2, "fp32", 3),
+                                                            (48, 1, "q4", 4), (48, 1, "fp32", 1)])
+def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeypatch, vocab, layers, precision, gamma):
+    """Round by round, the same drafted tokens and the same predicted features (to float32 rounding: sums in another
+    order) as the chain's `expand` calls, so the same acceptances; and plain greedy decoding's tokens."""
+    drafter = prophet(base, vocab, layers)
+    whole, whole_rounds, ran = decode(base, drafter, monkeypatch, True, gamma=gamma, draft_precision=precision)
+    assert ran and all(ran)  # the native chain drafted every round
+    split, split_rounds, ran = decode(base, drafter, monkeypatch, False, gamma=gamma, draft_precision=precision)
+    assert not ran
+    assert len(whole_rounds) == len(split_rounds) > 2
+    for (tokens, hats), (tokens_ref, hats_ref) in zip(whole_rounds, split_rounds):
+        assert tokens.tolist() == tokens_ref.tolist()
+        torch.testing.assert_close(hats, hats_ref, atol=1e-4, rtol=1e-4)
+    assert whole.accepted == split.accepted and sum(map(sum, whole.accepted)) > 0
+    assert whole.tokens.tolist() == plain(base)
+
+
+@needs_compiler
+def test_without_native_layers_the_prophet_drafts_depth_by_depth(base, monkeypatch):
+    """No native layer for one row (measurement picked the lean ones), or no chain kernel in the library: the chain is
+    not taken, the draft runs depth by depth, and decoding stays lossless."""
+    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
+        r: {"lean": 1.0, **{way: 2.0 for way in ways}} for r in counts})
+    shared = copy.copy(kernels.default_table())
+    shared.path, shared.layers = None, dict(shared.layers)
+    monkeypatch.setattr(kernels, "_TABLE", shared)
+    drafter = prophet(base, 48)
+    out, rounds, ran = decode(base, drafter, monkeypatch, True)
+    assert ran and not any(ran) and out.tokens.tolist() == plain(base)
+
+    class Older:  # a library built from an older revision: no smallm_feature_chain
+        def __getattr__(self, name):
+            if name == "smallm_feature_chain":
+                raise AttributeError(name)
+            return getattr(lib, name)
+
+    lib = native._load()
+    monkeypatch.setattr(native, "_load", lambda: Older())
+    assert native_chain.draft(drafter, None, None, torch.zeros(1, 1, 64), 4, "prophet", -1) is None
+
+
+def test_the_faster_way_is_kept():
+    """Each way's first ROUNDS rounds alternate (the whole chain first), then the faster by median is kept; a drafter
+    whose greedy_chain never runs keeps asking it (nothing recorded) and drafts depth by depth."""
+    race = trees._Race()
+    picks = []
+    for whole_s, split_s in [(1.0, 2.0), (5.0, 2.0), (1.5, 2.5)]:  # the whole chain faster by median (1.5 vs 2.0)
+        picks.append(race.whole())
+        race.record(True, whole_s)
+        picks.append(race.whole())
+        race.record(False, split_s)
+    assert picks == [True, False] * 3 and race.winner is True and race.whole()
+    race.record(False, 0.1)  # decided: later rounds change nothing
+    assert race.whole()
+    slower = trees._Race()
+    for _ in range(trees._Race.ROUNDS):
+        slower.record(True, 3.0)
+        slower.record(False, 2.0)
+    assert slower.winner is False and not slower.whole()
+    assert trees._Race().whole()  # nothing recorded yet: greedy_chain is asked
+
+
+@needs_compiler
+def test_a_prophet_on_a_batch_drafts_depth_by_depth(base, native_layers):
+    """Several rows: chain.c takes one; the batch drafts depth by depth, losslessly."""
+    drafter = prophet(base, 48)
+    prompts = [PROMPT, list(range(70, 85))]
+    out = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3))
+    assert out.tokens.tolist() == plain(base, prompts, 12)
