@@ -23,6 +23,7 @@ from torch import nn
 
 from specdec.sampling import native, native_layer
 from specdec.sampling.compact import Compact
+from specdec.sampling.kernels import default_table
 from specdec.sampling.lean import rms_form
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def _copy(lin: nn.Linear) -> Compact | native.Packed:
     if isinstance(operand, torch.Tensor) and operand.layout == torch.strided and operand.shape == lin.weight.shape \
             and operand.dtype in (torch.float32, torch.bfloat16):
         return native.pack(operand.detach())  # the same numbers (a bfloat16 copy's, where the kernel reads one)
-    return native.pack(lin.weight.detach())
+    return native_layer._operand(default_table(), "exact")(lin.weight.detach())  # packed once per weight
 
 
 class FeatureChain:
@@ -103,7 +104,8 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
     ĥ [1, γ, H]), or None where chain.c does not take the call (see the module docstring)."""
     lib = native._load()
     if (lib is None or not hasattr(lib, "smallm_feature_chain") or root.device.type != "cpu" or root.shape[0] != 1
-            or root.dtype != torch.float32 or parts.embed.dtype != torch.float32 or store not in ctx.stores):
+            or root.dtype != torch.float32 or parts.embed.dtype != torch.float32 or not parts.embed.is_contiguous()
+            or store not in ctx.stores):
         return None
     fasts = ctx._lean(parts.blocks)
     natives = [f.native_rows[1] if f is not None and len(f.native_rows) > 1 else None for f in fasts]
@@ -117,7 +119,8 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
     if not all(n.bind(cache, root) for n in natives):
         return None
     key = (tuple(map(id, natives)), *(id(lin.__dict__.get("forward")) for lin in (parts.fc, parts.head)),
-           *((w.data_ptr(), w._version) for w in (parts.fc.weight, parts.head.weight, parts.embed)))
+           *((w.data_ptr(), w._version) for w in (parts.fc.weight, parts.head.weight, parts.embed,
+                                                   parts.emb_norm.weight, parts.norm.weight)))
     chain = _CHAINS.get(drafter)
     if chain is None or chain.key != key:
         chain = _CHAINS[drafter] = FeatureChain(parts, natives, key)
