@@ -1,6 +1,7 @@
-"""The prophet's greedy chain in one native call (specdec/sampling/chain.c via native_chain.py): the tokens, predicted
-features and acceptances of its depth-by-depth `expand` calls, lossless decoding, the depth-by-depth draft wherever the
-call is not taken, and the faster way kept by measurement (trees._Race)."""
+"""The prophet's greedy chain and its `observe` in one native call each (specdec/sampling/chain.c via native_chain.py):
+the tokens, predicted features and acceptances of its PyTorch path (depth-by-depth `expand` calls, the blocks over the
+committed entries), lossless decoding, that path wherever a call is not taken, and the faster way kept by measurement
+(race.Race)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 
 from specdec.base import tiny_base
 from specdec.drafters.prophet import Prophet
-from specdec.sampling import kernels, native, native_chain, native_layer, trees
+from specdec.sampling import kernels, native, native_chain, native_layer, race, trees
 from specdec.sampling.decode import SamplerConfig, generate
 
 needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
                                     reason="no C compiler on this machine")
-CHAIN, DRAFT = trees._greedy_chain, native_chain.draft  # (wrapped by `decode`)
+CHAIN, DRAFT, ENTRIES = trees._greedy_chain, native_chain.draft, native_chain._native_entries  # (wrapped by `decode`)
 
 
 @pytest.fixture
@@ -60,11 +61,12 @@ def prophet(base, vocab: int | None, layers: int = 1, seed: int = 0) -> Prophet:
     return d.eval()
 
 
-def decode(base, drafter, monkeypatch, whole: bool, **kw):
-    """generate() with the chain drafted in one call (whole) or depth by depth, recording each round's drafted tokens,
-    the predicted features it left in the state and whether the native chain ran."""
-    monkeypatch.setattr(trees._Race, "whole", lambda self: whole)
-    rounds, ran = [], []
+def decode(base, drafter, monkeypatch, native_on: bool, **kw):
+    """generate() with the chain drafted and the entries observed in one native call each (native_on) or by the
+    drafter's PyTorch ops, recording each round's drafted tokens, the predicted features it left in the state, and
+    whether each native call ran (chains, entries)."""
+    monkeypatch.setattr(race.Race, "first", lambda self: native_on)
+    rounds, ran = [], ([], [])
 
     def recorded(drafter_, state, ctx, root, tree):
         out = CHAIN(drafter_, state, ctx, root, tree)
@@ -72,13 +74,16 @@ def decode(base, drafter, monkeypatch, whole: bool, **kw):
         rounds.append((out.tokens.clone(), state["hats"].get(torch.arange(gamma), ctx).clone()))
         return out
 
-    def counted(*args):
-        out = DRAFT(*args)
-        ran.append(out is not None)
-        return out
+    def counted(record, call):
+        def run(*args):
+            out = call(*args)
+            record.append(out is not None)
+            return out
+        return run
 
     monkeypatch.setattr(trees, "_greedy_chain", recorded)
-    monkeypatch.setattr(native_chain, "draft", counted)
+    monkeypatch.setattr(native_chain, "draft", counted(ran[0], DRAFT))
+    monkeypatch.setattr(native_chain, "_native_entries", counted(ran[1], ENTRIES))
     cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], **{"gamma": 4} | kw)
     return generate(base, [PROMPT], drafter, cfg), rounds, ran
 
@@ -88,12 +93,15 @@ def decode(base, drafter, monkeypatch, whole: bool, **kw):
                                                             (48, 1, "q4", 4), (48, 1, "fp32", 1)])
 def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeypatch, vocab, layers, precision, gamma):
     """Round by round, the same drafted tokens and the same predicted features (to float32 rounding: sums in another
-    order) as the chain's `expand` calls, so the same acceptances; and plain greedy decoding's tokens."""
+    order) as the chain's `expand` calls after `observe`'s blocks, so the same acceptances; and plain greedy decoding's
+    tokens."""
     drafter = prophet(base, vocab, layers)
-    whole, whole_rounds, ran = decode(base, drafter, monkeypatch, True, gamma=gamma, draft_precision=precision)
-    assert ran and all(ran)  # the native chain drafted every round
+    whole, whole_rounds, (chains, entries) = decode(base, drafter, monkeypatch, True, gamma=gamma,
+                                                    draft_precision=precision)
+    assert chains and all(chains)  # the native chain drafted every round
+    assert entries[1:] and all(entries[1:])  # and every observe after a verify was one call (not the prefill's)
     split, split_rounds, ran = decode(base, drafter, monkeypatch, False, gamma=gamma, draft_precision=precision)
-    assert not ran
+    assert ran == ([], [])
     assert len(whole_rounds) == len(split_rounds) > 2
     for (tokens, hats), (tokens_ref, hats_ref) in zip(whole_rounds, split_rounds):
         assert tokens.tolist() == tokens_ref.tolist()
@@ -112,39 +120,42 @@ def test_without_native_layers_the_prophet_drafts_depth_by_depth(base, monkeypat
     shared.path, shared.layers = None, dict(shared.layers)
     monkeypatch.setattr(kernels, "_TABLE", shared)
     drafter = prophet(base, 48)
-    out, rounds, ran = decode(base, drafter, monkeypatch, True)
-    assert ran and not any(ran) and out.tokens.tolist() == plain(base)
+    out, rounds, (chains, entries) = decode(base, drafter, monkeypatch, True)
+    assert chains and entries and not any(chains + entries) and out.tokens.tolist() == plain(base)
 
-    class Older:  # a library built from an older revision: no smallm_feature_chain
+    class Older:  # a library built from an older revision: no chain.c
         def __getattr__(self, name):
-            if name == "smallm_feature_chain":
+            if name.startswith("smallm_feature_"):
                 raise AttributeError(name)
             return getattr(lib, name)
 
     lib = native._load()
     monkeypatch.setattr(native, "_load", lambda: Older())
-    assert native_chain.draft(drafter, None, None, torch.zeros(1, 1, 64), 4, "prophet", -1) is None
+    parts = drafter._parts()
+    assert native_chain.draft(drafter, parts, None, torch.zeros(1, 1, 64), 4, "prophet", -1) is None
+    assert native_chain._native_entries(drafter, parts, None, torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long),
+                                        "prophet", -1) is None
 
 
 def test_the_faster_way_is_kept():
-    """Each way's first ROUNDS rounds alternate (the whole chain first), then the faster by median is kept; a drafter
-    whose greedy_chain never runs keeps asking it (nothing recorded) and drafts depth by depth."""
-    race = trees._Race()
+    """Each way's first ROUNDS calls alternate (the first way first), then the faster by median is kept; a step whose
+    first way never runs keeps asking for it (nothing recorded)."""
+    r = race.Race()
     picks = []
-    for whole_s, split_s in [(1.0, 2.0), (5.0, 2.0), (1.5, 2.5)]:  # the whole chain faster by median (1.5 vs 2.0)
-        picks.append(race.whole())
-        race.record(True, whole_s)
-        picks.append(race.whole())
-        race.record(False, split_s)
-    assert picks == [True, False] * 3 and race.winner is True and race.whole()
-    race.record(False, 0.1)  # decided: later rounds change nothing
-    assert race.whole()
-    slower = trees._Race()
-    for _ in range(trees._Race.ROUNDS):
+    for first_s, second_s in [(1.0, 2.0), (5.0, 2.0), (1.5, 2.5)]:  # the first way faster by median (1.5 vs 2.0)
+        picks.append(r.first())
+        r.record(True, first_s)
+        picks.append(r.first())
+        r.record(False, second_s)
+    assert picks == [True, False] * 3 and r.winner is True and r.first()
+    r.record(False, 0.1)  # decided: later calls change nothing
+    assert r.first()
+    slower = race.Race()
+    for _ in range(race.Race.ROUNDS):
         slower.record(True, 3.0)
         slower.record(False, 2.0)
-    assert slower.winner is False and not slower.whole()
-    assert trees._Race().whole()  # nothing recorded yet: greedy_chain is asked
+    assert slower.winner is False and not slower.first()
+    assert race.Race().first()  # nothing recorded yet: the first way is asked
 
 
 @needs_compiler

@@ -207,7 +207,10 @@ class Prophet(Drafter):
         toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
         toks[rows, n_new] = next_token
         ctx.commit_layout(n + 1)  # the root's slot L_b + n_new_b is index n_new_b of row b
-        out = ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE, POSITION_OFFSET)
+        out = native_chain.entries(  # [B, n+1, H]: one native call where that is taken and faster, else the blocks
+            self, self._parts(), ctx, prev, toks, STORE, POSITION_OFFSET,
+            otherwise=lambda: ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE,
+                                             POSITION_OFFSET))
         state["h"] = h[rows, n_new - 1]  # [B, H]
         state["root"] = out[rows, n_new][:, None]  # [B, 1, H] the root entry's block output; read out by expand
         state["hats"] = NodeTable()  # a new round
@@ -228,17 +231,20 @@ class Prophet(Drafter):
 
     def greedy_chain(self, state, ctx: DraftContext, gamma: int) -> torch.Tensor | None:
         """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None."""
-        head = self.lm_head if self.lm_head is not None else (
-            self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head)
-        parts = native_chain.ChainParts(
-            embed=self.base.embed_tokens.weight, emb_norm=self.emb_norm, fc=self.fc, blocks=self.blocks,
-            norm=self.norm, head=head, vocab=None if self.draft_vocab is None else self.draft_vocab.tokens)
-        drafted = native_chain.draft(self, parts, ctx, state["root"], gamma, STORE, POSITION_OFFSET)
+        drafted = native_chain.draft(self, self._parts(), ctx, state["root"], gamma, STORE, POSITION_OFFSET)
         if drafted is None:
             return None
         tokens, hats = drafted  # [1, γ], [1, γ, H]
         state["hats"] = NodeTable.of(hats)  # nodes 0 .. γ-1, as the chain's expand calls leave it
         return tokens
+
+    def _parts(self) -> native_chain.ChainParts:
+        """What `step_input`, the blocks and `readout` are made of, for the native calls (native_chain.py)."""
+        head = self.lm_head if self.lm_head is not None else (
+            self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head)
+        return native_chain.ChainParts(
+            embed=self.base.embed_tokens.weight, emb_norm=self.emb_norm, fc=self.fc, blocks=self.blocks,
+            norm=self.norm, head=head, vocab=None if self.draft_vocab is None else self.draft_vocab.tokens)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-/* A feature-level drafter's greedy chain in one native call: the prophet's (EAGLE's) depth loop at T = 0.
+/* A feature-level drafter's greedy chain in one native call: the prophet's (EAGLE's) depth loop at T = 0; and its
+`observe` (the real entries of the newly committed positions) in another.
 
 Each depth of such a chain is: the parent's predicted feature ĥ and the embedding of the token drafted from it, the
 embedding RMSNormed, through fc [H, 2H]; the drafter's decoder layers over that one row (layer.c); the final RMSNorm
@@ -36,13 +37,23 @@ typedef struct {
     float emb_eps, norm_eps;
 } chain_t;
 
-/* y [O] = W x for one row x [I], by the kernel of W's form */
-static void product(int form, const void *w, const float *x, float *y, int I, int O, int threads) {
+/* y [M, O] = x [M, I] Wᵀ, by the kernel of W's form */
+static void product(int form, const void *w, const float *x, float *y, int M, int I, int O, int threads) {
     switch (form) {
-    case BF16: smallm_packed_bf16(x, (const uint16_t *)w, y, 1, I, O, threads); break;
-    case Q4: smallm_packed_q4(x, w, y, 1, I, O, threads); break;
-    case Q8: smallm_packed_q8(x, w, y, 1, I, O, threads); break;
-    default: smallm_packed(x, (const float *)w, y, 1, I, O, threads);
+    case BF16: smallm_packed_bf16(x, (const uint16_t *)w, y, M, I, O, threads); break;
+    case Q4: smallm_packed_q4(x, w, y, M, I, O, threads); break;
+    case Q8: smallm_packed_q8(x, w, y, M, I, O, threads); break;
+    default: smallm_packed(x, (const float *)w, y, M, I, O, threads);
+    }
+}
+
+/* in [n, 2H] = [features_i; RMSNorm(emb(tokens_i))] per row: fc's input */
+static void step_inputs(const chain_t *C, const float *features, const int64_t *tokens, float *in, int n) {
+    const int H = C->hidden;
+    for (int i = 0; i < n; i++) {
+        float *row = in + (size_t)i * 2 * H;
+        memcpy(row, features + (size_t)i * H, sizeof(float) * H);
+        smallm_rms_norm(C->embed + (size_t)tokens[i] * H, C->emb_norm, row + H, 1, H, C->emb_eps);
     }
 }
 
@@ -72,9 +83,8 @@ int smallm_feature_chain(const chain_t *C, const float *root, int steps, const f
     for (int d = 0; d < steps; d++) {
         const float *out = root;
         if (d > 0) {
-            memcpy(in, hats + (size_t)(d - 1) * H, sizeof(float) * H);
-            smallm_rms_norm(C->embed + (size_t)tokens[d - 1] * H, C->emb_norm, in + H, 1, H, C->emb_eps);
-            product(C->fc_form, C->fc, in, x, 2 * H, H, threads);
+            step_inputs(C, hats + (size_t)(d - 1) * H, tokens + d - 1, in, 1);
+            product(C->fc_form, C->fc, in, x, 1, 2 * H, H, threads);
             const int64_t at = slot + d;
             const size_t row = (size_t)(d - 1) * C->rope_dim;
             if (smallm_layers(C->layers, C->count, x, 1, cos + row, sin + row, &at, (int)(at + 1), NULL, scratch,
@@ -84,9 +94,22 @@ int smallm_feature_chain(const chain_t *C, const float *root, int steps, const f
         }
         float *hat = hats + (size_t)d * H;
         smallm_rms_norm(out, C->norm, hat, 1, H, C->norm_eps);
-        product(C->head_form, C->head, hat, logits, H, C->draft_vocab, threads);
+        product(C->head_form, C->head, hat, logits, 1, H, C->draft_vocab, threads);
         const int best = argmax(logits, C->draft_vocab);
         tokens[d] = C->vocab ? C->vocab[best] : best;
     }
     return 0;
+}
+
+/* The drafter's real entries (its `observe`, one pass for the newly committed positions and the next root): x [n, H] =
+   fc([features_i; norm(emb(tokens_i))]) through fc's copy for n rows (fc, fc_form), then the layers for n rows (layers,
+   count: their layer_t's) over x in place, with smallm_layers' rotary rows, slots, window, mask and scratch. in: [n, 2H]
+   floats of work. Returns smallm_layers' -1, having written no key or value, for a window they do not take. */
+int smallm_feature_entries(const chain_t *C, const void *fc, int fc_form, const void *const *layers, int count,
+                           const float *features, const int64_t *tokens, float *in, float *x, int n, const float *cos,
+                           const float *sin, const int64_t *slots, int width, const float *mask, float *scratch,
+                           int threads) {
+    step_inputs(C, features, tokens, in, n);
+    product(fc_form, fc, in, x, n, 2 * C->hidden, C->hidden, threads);
+    return smallm_layers(layers, count, x, n, cos, sin, slots, width, mask, scratch, threads, NULL);
 }

@@ -1,22 +1,26 @@
-"""A feature drafter's greedy chain (the prophet's, EAGLE's) as one native call (chain.c), for one row on the CPU.
+"""A feature drafter's greedy chain (the prophet's, EAGLE's) as one native call (chain.c), and its `observe` as
+another, for one row on the CPU.
 
 Drafted depth by depth from Python, each depth of the prophet is ~40 PyTorch ops and a layer stack's argument handling
 around its three products: on a 2-core Zen 5 EPYC, 315 µs a depth (c ≈ 0.1 of an AR step) of which the native layer
-call is 58 and the draft head ~60. chain.c runs the whole chain in one call over the same weight copies: the decoder
-layers' native forms (native_layer.py, attached where measurement picked them for one row) and, for fc and the head,
-the copy each one's measured kernel multiplies from at one row where chain.c can read it (a compact or packed copy),
-else its float32 weight packed. So it drafts what the Python chain drafts, its sums in another order.
+call is 58 and the draft head ~60; its `observe` (fc over the newly committed entries, then its layers) ~600 µs a
+round, half of it outside the layers' call. chain.c runs each in one call over the same weight copies: the decoder
+layers' native forms (native_layer.py, attached where measurement picked them for that many rows) and, for fc and the
+head, the copy each one's measured kernel multiplies from at that many rows where chain.c can read it (a compact or
+packed copy), else its float32 weight packed. So they compute what the PyTorch path computes, the sums in another order.
 
-`draft` returns None (the caller then drafts depth by depth) wherever chain.c does not take the call: off the CPU, a
-batch of several rows, no native layers attached, a norm of another formula, a window past the cache. Whether it is
-used at all where it does is decided by timing it against the depth-by-depth draft (trees._greedy_chain)."""
+`draft` and `_native_entries` return None (the caller then runs the PyTorch path) wherever chain.c does not take the
+call: off the CPU, a batch of several rows, no native layers for those rows (a prefill), a norm of another formula, a
+window past the cache. Whether they are used at all where they can is decided by timing them against that path over a
+drafter's first calls (`Race`: trees._greedy_chain for the chain, `entries` for the observe)."""
 
 from __future__ import annotations
 
 import ctypes
+import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -25,6 +29,7 @@ from specdec.sampling import native, native_layer
 from specdec.sampling.compact import Compact
 from specdec.sampling.kernels import default_table
 from specdec.sampling.lean import rms_form
+from specdec.sampling.race import Race
 
 if TYPE_CHECKING:
     from specdec.sampling.context import SamplingContext
@@ -56,11 +61,11 @@ class _Chain(ctypes.Structure):
                [("emb_eps", ctypes.c_float), ("norm_eps", ctypes.c_float)]
 
 
-def _copy(lin: nn.Linear) -> Compact | native.Packed:
-    """The copy of lin's weight chain.c multiplies from: the one its measured kernel uses at one row where chain.c
-    reads that form (kernels._forward keeps the plan), else the float32 weight (or its bfloat16 copy) packed."""
+def _copy(lin: nn.Linear, rows: int = 1) -> Compact | native.Packed:
+    """The copy of lin's weight chain.c multiplies from at `rows` rows: the one its measured kernel uses there where
+    chain.c reads that form (kernels._forward keeps the plan), else the float32 weight (or its bfloat16 copy) packed."""
     plan = getattr(lin.__dict__.get("forward"), "plan", None)
-    chosen = plan[1] if plan is not None and len(plan) > 1 else None
+    chosen = plan[rows] if plan is not None and len(plan) > rows else None
     operand = chosen[1] if chosen is not None else lin.weight
     if isinstance(operand, (Compact, native.Packed)):
         return operand
@@ -74,8 +79,10 @@ class FeatureChain:
     """One drafter's chain_t and what it points into, for one set of native layers and kernel plans (`key`)."""
 
     def __init__(self, parts: ChainParts, natives: list[native_layer.NativeLayer], key: tuple):
-        self.key, self.natives = key, natives
+        self.key, self.natives, self.fc = key, natives, parts.fc
         self.copies = [_copy(parts.fc), _copy(parts.head)]  # kept alive: chain.c reads them by address
+        self.entries: dict[int, tuple] = {}  # rows -> (fc's copy, its form) for `entries` (see `observe_copy`)
+        self.stacks: dict[tuple[int, ...], ctypes.Array] = {}  # natives' ids -> their pointer array
         self.layers = (ctypes.c_void_p * len(natives))(*(ctypes.addressof(l.struct) for l in natives))
         self.shapes = native_layer._shapes(natives)
         self.vocab = None if parts.vocab is None else parts.vocab.contiguous()
@@ -93,30 +100,36 @@ class FeatureChain:
         lib = native._library()
         self.work = torch.empty(lib.smallm_chain_work(ctypes.byref(c)))
 
+    def fc_copy(self, rows: int) -> tuple[Compact | native.Packed, int]:
+        """fc's copy at `rows` rows and its layer.c form code."""
+        have = self.entries.get(rows)
+        if have is None:
+            copy = _copy(self.fc, rows)
+            have = self.entries[rows] = (copy, native_layer.FORMATS[native_layer._held_as(copy)])
+        return have
+
+    def stack(self, natives: list[native_layer.NativeLayer]) -> ctypes.Array:
+        """The pointer array chain.c walks for these layers."""
+        key = tuple(map(id, natives))
+        have = self.stacks.get(key)
+        if have is None:
+            have = self.stacks[key] = (ctypes.c_void_p * len(natives))(*(ctypes.addressof(l.struct) for l in natives))
+        return have
+
 
 _CHAINS: weakref.WeakKeyDictionary[nn.Module, FeatureChain] = weakref.WeakKeyDictionary()  # drafter -> its chain
 
 
-def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: torch.Tensor, gamma: int, store: str,
-          position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The greedy chain of γ tokens from root [1, 1, H] (the root entry's layer output) as `expand` would draft it depth
-    by depth, its layers' keys and values written to `store` in the same slots -> (tokens [1, γ] base ids, each depth's
-    ĥ [1, γ, H]), or None where chain.c does not take the call (see the module docstring)."""
+def _chain(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, x: torch.Tensor) -> FeatureChain | None:
+    """The drafter's FeatureChain for this context (made again when its native layers, kernel plans or weights
+    changed), or None where chain.c takes no call: no library, off the CPU, several rows, not float32 (x [B, n, H]),
+    no native layers for one row, a norm of another formula."""
     lib = native._load()
-    if (lib is None or not hasattr(lib, "smallm_feature_chain") or root.device.type != "cpu" or root.shape[0] != 1
-            or root.dtype != torch.float32 or parts.embed.dtype != torch.float32 or not parts.embed.is_contiguous()
-            or store not in ctx.stores):
+    if (lib is None or not hasattr(lib, "smallm_feature_entries") or x.device.type != "cpu" or x.shape[0] != 1
+            or x.dtype != torch.float32 or parts.embed.dtype != torch.float32 or not parts.embed.is_contiguous()):
         return None
-    fasts = ctx._lean(parts.blocks)
-    natives = [f.native_rows[1] if f is not None and len(f.native_rows) > 1 else None for f in fasts]
-    if any(n is None for n in natives) or rms_form(parts.emb_norm) is None or rms_form(parts.norm) is None:
-        return None
-    length = ctx.length_host[0]
-    first, last = length + 1 + position_offset, length + gamma - 1 + position_offset  # depths 1 .. γ-1
-    if length + gamma > ctx.max_len or ctx.rope is None or (gamma > 1 and not ctx.rope.covers(first, last)):
-        return None
-    cache = ctx.stores[store]
-    if not all(n.bind(cache, root) for n in natives):
+    natives = _natives(ctx, parts, 1)
+    if natives is None or rms_form(parts.emb_norm) is None or rms_form(parts.norm) is None:
         return None
     key = (tuple(map(id, natives)), *(id(lin.__dict__.get("forward")) for lin in (parts.fc, parts.head)),
            *((w.data_ptr(), w._version) for w in (parts.fc.weight, parts.head.weight, parts.embed,
@@ -124,6 +137,31 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
     chain = _CHAINS.get(drafter)
     if chain is None or chain.key != key:
         chain = _CHAINS[drafter] = FeatureChain(parts, natives, key)
+    return chain
+
+
+def _natives(ctx: SamplingContext, parts: ChainParts, rows: int) -> list[native_layer.NativeLayer] | None:
+    """The drafter's layers' native forms for `rows` rows (attached where measurement picked them), or None."""
+    natives = [f.native_rows[rows] if f is not None and len(f.native_rows) > rows else None
+               for f in ctx._lean(parts.blocks)]
+    return None if any(n is None for n in natives) else natives
+
+
+def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: torch.Tensor, gamma: int, store: str,
+          position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The greedy chain of γ tokens from root [1, 1, H] (the root entry's layer output) as `expand` would draft it depth
+    by depth, its layers' keys and values written to `store` in the same slots -> (tokens [1, γ] base ids, each depth's
+    ĥ [1, γ, H]), or None where chain.c does not take the call (see the module docstring)."""
+    chain = _chain(drafter, parts, ctx, root)
+    if chain is None or store not in ctx.stores:
+        return None
+    length = ctx.length_host[0]
+    first, last = length + 1 + position_offset, length + gamma - 1 + position_offset  # depths 1 .. γ-1
+    if length + gamma > ctx.max_len or ctx.rope is None or (gamma > 1 and not ctx.rope.covers(first, last)):
+        return None
+    if not all(n.bind(ctx.stores[store], root) for n in chain.natives):
+        return None
+    lib = native._library()
     tokens = torch.empty(1, gamma, dtype=torch.long)
     hats = torch.empty(1, gamma, root.shape[-1])
     # the rotary rows of depths 1 .. γ-1: [1, 1, γ-1, d] each, views of the context's table (none read at γ = 1)
@@ -135,3 +173,49 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
                                     sin.data_ptr(), length, scratch.data_ptr(), chain.work.data_ptr(), threads,
                                     tokens.data_ptr(), hats.data_ptr())
     return (tokens, hats) if done == 0 else None
+
+
+def entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, features: torch.Tensor,
+            tokens: torch.Tensor, store: str, position_offset: int,
+            otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The drafter's real entries in the context's current layout: otherwise() (its `run_layers(blocks,
+    step_input(features, embed(tokens)), store, position_offset)`) -> the layers' output [1, n, H], their keys and values
+    written to `store`; as one native call where chain.c takes it (see `_native_entries`) and, timed against
+    otherwise() over the drafter's first calls, that is the faster way here (`Race`)."""
+    race = _RACES.setdefault(drafter, Race())
+    start = time.perf_counter()
+    if race.first():
+        out = _native_entries(drafter, parts, ctx, features, tokens, store, position_offset)
+        if out is not None:
+            race.record(True, time.perf_counter() - start)
+            return out
+        return otherwise()  # (not taken: not timed)
+    out = otherwise()
+    race.record(False, time.perf_counter() - start)
+    return out
+
+
+_RACES: weakref.WeakKeyDictionary[nn.Module, Race] = weakref.WeakKeyDictionary()  # drafter -> its entries' race
+
+
+def _native_entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, features: torch.Tensor,
+                    tokens: torch.Tensor, store: str, position_offset: int) -> torch.Tensor | None:
+    """`entries` in one native call (features [1, n, H], tokens [1, n]), or None where chain.c does not take it (see
+    `_chain`; also more rows than the native layers were measured for: a prefill)."""
+    chain = _chain(drafter, parts, ctx, features)
+    n = features.shape[1]
+    natives = None if chain is None else _natives(ctx, parts, n)
+    if natives is None:
+        return None
+    cache = ctx._store(store)
+    if not all(l.bind(cache, features) for l in natives):
+        return None
+    _, rope = ctx._rotary(features, position_offset, False, True)
+    out = torch.empty_like(features)
+    call = native_layer._Call(out, rope, ctx.mask, cache, native_layer._shapes(natives))
+    fc, form = chain.fc_copy(n)
+    work = torch.empty(n, 2 * features.shape[-1])
+    done = native._library().smallm_feature_entries(
+        ctypes.byref(chain.struct), fc.blocks.data_ptr(), form, chain.stack(natives), len(natives),
+        features.contiguous().data_ptr(), tokens.contiguous().data_ptr(), work.data_ptr(), out.data_ptr(), *call.args)
+    return out if done == 0 else None

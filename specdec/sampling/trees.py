@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.context import SamplingContext
+from specdec.sampling.race import Race
 from specdec.sampling.verify import process_logits, sample
 
 Path = tuple[int, ...]  # (i_1, ..., i_d): the i_1-th top token at depth 1, then the i_2-th of its children, ...
@@ -256,10 +256,12 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
     of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
     or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
-    faster here (`_Race`)."""
+    faster here (`Race`: Medusa's is the same math in fewer ops; the prophet's is a native call whose gain is the CPU's
+    to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
+    it."""
     gamma = len(tree.levels)
-    race = _RACES.setdefault(drafter, {}).setdefault(gamma, _Race()) if ctx.length.device.type == "cpu" else None
-    whole = race is None or race.whole()
+    race = _RACES.setdefault(drafter, {}).setdefault(gamma, Race()) if ctx.length.device.type == "cpu" else None
+    whole = race is None or race.first()
     start = time.perf_counter()
     drafted = drafter.greedy_chain(state, ctx, gamma) if whole else None  # [B, γ] or None
     if drafted is not None:
@@ -278,32 +280,8 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
                  draft_slots=tree.slots)
 
 
-class _Race:
-    """Whether a drafter's whole-chain draft (`Drafter.greedy_chain`) beats its depth-by-depth one on this machine, per
-    chain length: its first ROUNDS rounds each way, alternating, timed; then the faster by median for the rest of the
-    process. (Medusa's is the same math in fewer ops; the prophet's is a native call whose gain is the CPU's to say.)
-    Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for it."""
-
-    ROUNDS = 3
-
-    def __init__(self):
-        self.times: tuple[list[float], list[float]] = ([], [])  # seconds a round: depth by depth, whole
-        self.winner: bool | None = None  # True: whole
-
-    def whole(self) -> bool:
-        if self.winner is not None:
-            return self.winner
-        return len(self.times[1]) <= len(self.times[0])
-
-    def record(self, whole: bool, seconds: float) -> None:
-        if self.winner is not None:
-            return
-        self.times[whole].append(seconds)
-        if min(map(len, self.times)) >= self.ROUNDS:
-            self.winner = statistics.median(self.times[1]) <= statistics.median(self.times[0])
-
-
-_RACES: weakref.WeakKeyDictionary[Drafter, dict[int, _Race]] = weakref.WeakKeyDictionary()
+# drafter -> chain length -> whether its whole-chain draft is the faster way here
+_RACES: weakref.WeakKeyDictionary[Drafter, dict[int, Race]] = weakref.WeakKeyDictionary()
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
