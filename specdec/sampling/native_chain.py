@@ -76,14 +76,15 @@ def _copy(lin: nn.Linear, rows: int = 1) -> Compact | native.Packed:
 
 
 class FeatureChain:
-    """One drafter's chain_t and what it points into, for one set of native layers and kernel plans (`key`)."""
+    """One drafter's chain_t and what it points into (kept alive here), for one set of native layers, kernel plans and
+    weights (`key`)."""
 
     def __init__(self, parts: ChainParts, natives: list[native_layer.NativeLayer], key: tuple):
         self.key, self.natives, self.fc = key, natives, parts.fc
         self.copies = [_copy(parts.fc), _copy(parts.head)]  # kept alive: chain.c reads them by address
-        self.entries: dict[int, tuple] = {}  # rows -> (fc's copy, its form) for `entries` (see `observe_copy`)
-        self.stacks: dict[tuple[int, ...], ctypes.Array] = {}  # natives' ids -> their pointer array
-        self.layers = (ctypes.c_void_p * len(natives))(*(ctypes.addressof(l.struct) for l in natives))
+        self.fc_copies: dict[int, tuple] = {}  # rows -> (fc's copy, its form) for the entries (`fc_copy`)
+        self.stacks: dict[tuple[int, ...], ctypes.Array] = {}  # natives' ids -> their pointer array (`stack`)
+        self.layers = self.stack(natives)
         self.shapes = native_layer._shapes(natives)
         self.vocab = None if parts.vocab is None else parts.vocab.contiguous()
         (emb_w, emb_eps), (norm_w, norm_eps) = rms_form(parts.emb_norm), rms_form(parts.norm)
@@ -102,10 +103,10 @@ class FeatureChain:
 
     def fc_copy(self, rows: int) -> tuple[Compact | native.Packed, int]:
         """fc's copy at `rows` rows and its layer.c form code."""
-        have = self.entries.get(rows)
+        have = self.fc_copies.get(rows)
         if have is None:
             copy = _copy(self.fc, rows)
-            have = self.entries[rows] = (copy, native_layer.FORMATS[native_layer._held_as(copy)])
+            have = self.fc_copies[rows] = (copy, native_layer.FORMATS[native_layer._held_as(copy)])
         return have
 
     def stack(self, natives: list[native_layer.NativeLayer]) -> ctypes.Array:
