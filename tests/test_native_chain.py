@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdec.base import tiny_base
+from specdec.drafters.hydra import Hydra
 from specdec.drafters.prophet import Prophet
 from specdec.sampling import kernels, native, native_chain, native_layer, race, trees
 from specdec.sampling.decode import SamplerConfig, generate
@@ -165,3 +166,48 @@ def test_a_prophet_on_a_batch_drafts_depth_by_depth(base, native_layers):
     prompts = [PROMPT, list(range(70, 85))]
     out = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3))
     assert out.tokens.tolist() == plain(base, prompts, 12)
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab, layers, own, precision, gamma", [(48, 1, False, "fp32", 4), (None, 2, False, "q4", 3),
+                                                                  (48, 1, True, "fp32", 2), (48, 1, False, "q4", 1)])
+def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, vocab, layers, own, precision, gamma):
+    """Hydra's chain of heads as one native call: the tokens of its depth-by-depth `expand` calls (the paths they leave
+    too), so the same acceptances and plain greedy decoding's tokens; with a shared or own vocab head, one or two blocks,
+    fp32 or q4."""
+    drafter = Hydra(base, num_heads=4, num_layers=layers, own_lm_head=own, draft_vocab_size=vocab)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    if vocab:
+        written = torch.tensor(sorted(set(plain(base)[0])))
+        rest = torch.randperm(base.vocab_size, generator=gen)
+        drafter.set_draft_vocab(torch.cat([written, rest[~torch.isin(rest, written)][: vocab - len(written)]]))
+    drafter.eval()
+    ran, rounds = [], []
+    call = native_chain.head_chain
+
+    def counted(*args):
+        out = call(*args)
+        ran.append(out is not None)
+        return out
+
+    def recorded(drafter_, state, ctx, root, tree):
+        out = CHAIN(drafter_, state, ctx, root, tree)
+        rounds.append((out.tokens.clone(), state["paths"].get(torch.arange(len(tree.levels)), ctx).clone()))
+        return out
+
+    monkeypatch.setattr(native_chain, "head_chain", counted)
+    monkeypatch.setattr(trees, "_greedy_chain", recorded)
+    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=gamma, draft_precision=precision)
+    results = []
+    for native_on in (True, False):
+        monkeypatch.setattr(race.Race, "first", lambda self, v=native_on: v)
+        results.append(generate(base, [PROMPT], drafter, cfg))
+    assert ran and all(ran) and len(rounds) % 2 == 0
+    half = len(rounds) // 2
+    for (tokens, paths), (tokens_ref, paths_ref) in zip(rounds[:half], rounds[half:]):
+        assert tokens.tolist() == tokens_ref.tolist() and paths.tolist() == paths_ref.tolist()
+    assert results[0].accepted == results[1].accepted and sum(map(sum, results[0].accepted)) > 0
+    assert results[0].tokens.tolist() == plain(base)

@@ -12,6 +12,7 @@ from torch import nn
 from specdec.base import LAST, Base, Features
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
 from specdec.drafters.medusa import ResBlock
+from specdec.sampling import native_chain
 
 
 class HydraHead(nn.Module):
@@ -105,3 +106,24 @@ class Hydra(Drafter):
         emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
         return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]
+
+    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
+        """The chain's `expand` calls (head d on the root and the d tokens drafted before) as one native call (one row
+        on the CPU, SiLU blocks), else None."""
+        heads = self.heads[:gamma]
+        if any(type(block.act) is not nn.SiLU for head in heads for block in head.blocks):
+            return None
+        shared = self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head
+        parts = [native_chain.HeadParts(head.emb_norm, head.in_proj, [block.linear for block in head.blocks],
+                                        self.lm_heads[k] if self.lm_heads is not None else shared)
+                 for k, head in enumerate(heads)]
+        tokens = native_chain.head_chain(self, parts, self.base.embed_tokens.weight,
+                                         None if self.draft_vocab is None else self.draft_vocab.tokens, state["h"], root)
+        if tokens is None:
+            return None
+        # the paths the expand calls would have stored: node d's is the root and the d tokens after it
+        seq = torch.cat([root[:, None], tokens[:, : gamma - 1]], 1)  # [1, γ]
+        paths = seq.new_zeros(1, gamma, len(self.heads))
+        paths[:, :, :gamma] = seq[:, None, :].expand(1, gamma, gamma).tril()
+        state["paths"] = NodeTable.of(paths)
+        return tokens

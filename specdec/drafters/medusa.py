@@ -73,6 +73,6 @@ class Medusa(Drafter):
         logits = state["logits"][:, depth]  # [B, V_d]
         return logits[:, None].expand(-1, tokens.shape[1], -1)  # [B, N, V_d]
 
-    def greedy_chain(self, state, ctx: DraftContext, gamma: int) -> torch.Tensor:
+    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor:
         return self.token_ids(state["logits"][:, :gamma].argmax(-1))  # [B, γ]: head d+1's top-1 at depth d
 

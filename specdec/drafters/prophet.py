@@ -229,7 +229,7 @@ class Prophet(Drafter):
         state["hats"].put(hat, nodes, ctx)
         return logits
 
-    def greedy_chain(self, state, ctx: DraftContext, gamma: int) -> torch.Tensor | None:
+    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
         """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None."""
         drafted = native_chain.draft(self, self._parts(), ctx, state["root"], gamma, STORE, POSITION_OFFSET)
         if drafted is None:

@@ -1,5 +1,5 @@
 /* A feature-level drafter's greedy chain in one native call: the prophet's (EAGLE's) depth loop at T = 0; and its
-`observe` (the real entries of the newly committed positions) in another.
+`observe` (the real entries of the newly committed positions) in another. Also Hydra's chain of heads in one call.
 
 Each depth of such a chain is: the parent's predicted feature ĥ and the embedding of the token drafted from it, the
 embedding RMSNormed, through fc [H, 2H]; the drafter's decoder layers over that one row (layer.c); the final RMSNorm
@@ -112,4 +112,56 @@ int smallm_feature_entries(const chain_t *C, const void *fc, int fc_form, const 
     step_inputs(C, features, tokens, in, n);
     product(fc_form, fc, in, x, n, 2 * C->hidden, C->hidden, threads);
     return smallm_layers(layers, count, x, n, cos, sin, slots, width, mask, scratch, threads, NULL);
+}
+
+/* A product with its bias: y [1, O] = W x + b (b NULL: none), W in one of smallm.c's packed layouts */
+typedef struct {
+    const void *w;
+    const float *bias;
+    int form, inputs, outputs;
+} linear_t;
+
+static void linear(const linear_t *L, const float *x, float *y, int threads) {
+    product(L->form, L->w, x, y, 1, L->inputs, L->outputs, threads);
+    if (L->bias)
+        for (int o = 0; o < L->outputs; o++) y[o] += L->bias[o];
+}
+
+/* One Hydra head (Medusa's, with the tokens on its path): [h; norm(emb(t_0)); …; norm(emb(t_k))] -> in_proj -> `count`
+   residual blocks x + SiLU(W x + b) -> the vocab head */
+typedef struct {
+    linear_t in_proj, head;
+    const linear_t *blocks;
+    const float *emb_norm;
+    float eps;
+    int count;
+} head_t;
+
+/* floats of work smallm_head_chain needs for `steps` heads of hidden size H and a vocab head of V_d rows */
+long smallm_head_chain_work(int steps, int H, int V_d) { return (long)(steps + 3) * H + V_d; }
+
+/* A Hydra drafter's greedy chain: head d (heads[d]) drafts token d + 1 from the base's newest feature h [H] and the
+   tokens t_0 (the root) .. t_d of its path, each the argmax of the one before it (mapped to base ids through vocab
+   [V_d], or NULL). Writes tokens [steps]: t_1 .. t_steps. `embed` [V, H]: the base's token embeddings. */
+int smallm_head_chain(const head_t *heads, int steps, const float *embed, const int64_t *vocab, int H, int V_d,
+                      const float *h, int64_t root, float *work, int threads, int64_t *tokens) {
+    float *in = work;                      /* [(steps + 1)·H]: h | the path's normed embeddings */
+    float *x = in + (size_t)(steps + 1) * H, *y = x + H; /* [H] each */
+    float *logits = y + H;                 /* [V_d] */
+    memcpy(in, h, sizeof(float) * H);
+    for (int d = 0; d < steps; d++) {
+        const head_t *k = heads + d;
+        for (int j = 0; j <= d; j++) /* the head's own norm over each token on the path */
+            smallm_rms_norm(embed + (size_t)(j ? tokens[j - 1] : root) * H, k->emb_norm, in + (size_t)(j + 1) * H, 1,
+                            H, k->eps);
+        linear(&k->in_proj, in, x, threads);
+        for (int b = 0; b < k->count; b++) {
+            linear(k->blocks + b, x, y, threads);
+            for (int i = 0; i < H; i++) x[i] += y[i] / (1.0f + __builtin_expf(-y[i]));
+        }
+        linear(&k->head, x, logits, threads);
+        const int best = argmax(logits, V_d);
+        tokens[d] = vocab ? vocab[best] : best;
+    }
+    return 0;
 }

@@ -220,3 +220,84 @@ def _native_entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext,
         ctypes.byref(chain.struct), fc.blocks.data_ptr(), form, chain.stack(natives), len(natives),
         features.contiguous().data_ptr(), tokens.contiguous().data_ptr(), work.data_ptr(), out.data_ptr(), *call.args)
     return out if done == 0 else None
+
+
+# -- Hydra's chain of heads ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadParts:
+    """One Hydra head as chain.c runs it: the norm of its path's embeddings, in_proj over [h; the normed embeddings],
+    the linears of its residual blocks (x + SiLU(W x + b)) and its vocab head [V_d, H]."""
+
+    emb_norm: nn.Module
+    in_proj: nn.Linear
+    blocks: list[nn.Linear]
+    head: nn.Linear
+
+
+class _Linear(ctypes.Structure):
+    """chain.c's linear_t."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("form", ctypes.c_int), ("inputs", ctypes.c_int),
+                ("outputs", ctypes.c_int)]
+
+
+class _Head(ctypes.Structure):
+    """chain.c's head_t."""
+
+    _fields_ = [("in_proj", _Linear), ("head", _Linear), ("blocks", ctypes.c_void_p), ("emb_norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("count", ctypes.c_int)]
+
+
+class HeadChain:
+    """A Hydra drafter's head_t's and what they point into (kept alive here), for one set of kernel plans and weights
+    (`key`)."""
+
+    def __init__(self, heads: list[HeadParts], key: tuple):
+        self.key, self.keep = key, []
+        self.structs = (_Head * len(heads))()
+        for s, part in zip(self.structs, heads):
+            s.in_proj, s.head = self._linear(part.in_proj), self._linear(part.head)
+            blocks = (_Linear * len(part.blocks))(*(self._linear(l) for l in part.blocks))
+            self.keep.append(blocks)
+            s.blocks, s.count = ctypes.addressof(blocks), len(part.blocks)
+            weight, s.eps = rms_form(part.emb_norm)
+            self.keep.append(weight)
+            s.emb_norm = weight.data_ptr()
+
+    def _linear(self, lin: nn.Linear) -> _Linear:
+        copy = _copy(lin)
+        bias = None if lin.bias is None else lin.bias.detach().contiguous()
+        self.keep += [copy, bias]
+        return _Linear(copy.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                       native_layer.FORMATS[native_layer._held_as(copy)], lin.in_features, lin.out_features)
+
+
+_HEADS: weakref.WeakKeyDictionary[nn.Module, HeadChain] = weakref.WeakKeyDictionary()  # drafter -> its head chain
+
+
+def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, vocab: torch.Tensor | None,
+               h: torch.Tensor, root: torch.Tensor) -> torch.Tensor | None:
+    """The greedy chain of len(heads) tokens that a Hydra drafter's `expand` calls would draft from its newest base
+    feature h [1, H] and the root token root [1] (head d reading the root and the d tokens drafted before), as one
+    native call -> tokens [1, γ] (base ids); None where chain.c does not take it: no library, off the CPU, several
+    rows, not float32, a norm of another formula."""
+    lib = native._load()
+    linears = [l for part in heads for l in (part.in_proj, *part.blocks, part.head)]
+    if (lib is None or not hasattr(lib, "smallm_head_chain") or h.device.type != "cpu" or h.shape[0] != 1
+            or h.dtype != torch.float32 or embed.dtype != torch.float32 or not embed.is_contiguous()
+            or any(l.weight.dtype != torch.float32 or l.weight.device.type != "cpu" for l in linears)
+            or any(rms_form(part.emb_norm) is None for part in heads)):
+        return None
+    key = (*(id(l.__dict__.get("forward")) for l in linears),
+           *((w.data_ptr(), w._version) for l in linears for w in (l.weight, l.bias) if w is not None),
+           *((part.emb_norm.weight.data_ptr(), part.emb_norm.weight._version) for part in heads))
+    chain = _HEADS.get(drafter)
+    if chain is None or chain.key != key:
+        chain = _HEADS[drafter] = HeadChain(heads, key)
+    hidden, size, gamma = embed.shape[1], heads[0].head.out_features, len(heads)
+    work = torch.empty(lib.smallm_head_chain_work(gamma, hidden, size))
+    tokens = torch.empty(1, gamma, dtype=torch.long)
+    done = lib.smallm_head_chain(chain.structs, gamma, embed.data_ptr(), None if vocab is None else vocab.data_ptr(),
+                                 hidden, size, h.contiguous().data_ptr(), int(root[0]), work.data_ptr(),
+                                 torch.get_num_threads(), tokens.data_ptr())
+    return tokens if done == 0 else None

@@ -263,7 +263,7 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     race = _RACES.setdefault(drafter, {}).setdefault(gamma, Race()) if ctx.length.device.type == "cpu" else None
     whole = race is None or race.first()
     start = time.perf_counter()
-    drafted = drafter.greedy_chain(state, ctx, gamma) if whole else None  # [B, γ] or None
+    drafted = drafter.greedy_chain(state, ctx, root, gamma) if whole else None  # [B, γ] or None
     if drafted is not None:
         tokens = torch.cat([root[:, None], drafted], 1)
     else:
