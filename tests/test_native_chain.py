@@ -211,3 +211,15 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
         assert tokens.tolist() == tokens_ref.tolist() and paths.tolist() == paths_ref.tolist()
     assert results[0].accepted == results[1].accepted and sum(map(sum, results[0].accepted)) > 0
     assert results[0].tokens.tolist() == plain(base)
+
+
+@needs_compiler
+def test_hydra_under_stock_kernels_drafts_with_pytorch_ops(base, monkeypatch):
+    """cpu_kernels=stock (PyTorch's own ops, the A/B baseline) is not replaced by the native chain."""
+    drafter = Hydra(base, num_heads=3).eval()
+    ran = []
+    call = native_chain.head_chain
+    monkeypatch.setattr(native_chain, "head_chain", lambda *args: ran.append(call(*args)) or ran[-1])
+    out = generate(base, [PROMPT], drafter, SamplerConfig(max_new_tokens=8, eos_token_id=[], gamma=3,
+                                                          cpu_kernels="stock"))
+    assert ran and all(r is None for r in ran) and out.tokens.tolist() == plain(base, new=8)

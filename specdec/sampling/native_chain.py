@@ -1,5 +1,5 @@
 """A feature drafter's greedy chain (the prophet's, EAGLE's) as one native call (chain.c), and its `observe` as
-another, for one row on the CPU.
+another, for one row on the CPU; and Hydra's chain of heads as one call (`head_chain`, at the end).
 
 Drafted depth by depth from Python, each depth of the prophet is ~40 PyTorch ops and a layer stack's argument handling
 around its three products: on a 2-core Zen 5 EPYC, 315 µs a depth (c ≈ 0.1 of an AR step) of which the native layer
@@ -280,12 +280,14 @@ def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, 
     """The greedy chain of len(heads) tokens that a Hydra drafter's `expand` calls would draft from its newest base
     feature h [1, H] and the root token root [1] (head d reading the root and the d tokens drafted before), as one
     native call -> tokens [1, γ] (base ids); None where chain.c does not take it: no library, off the CPU, several
-    rows, not float32, a norm of another formula."""
+    rows, not float32, a norm of another formula, or outside the sampler's measured kernels (cpu_kernels=stock runs
+    PyTorch's own ops)."""
     lib = native._load()
     linears = [l for part in heads for l in (part.in_proj, *part.blocks, part.head)]
     if (lib is None or not hasattr(lib, "smallm_head_chain") or h.device.type != "cpu" or h.shape[0] != 1
             or h.dtype != torch.float32 or embed.dtype != torch.float32 or not embed.is_contiguous()
             or any(l.weight.dtype != torch.float32 or l.weight.device.type != "cpu" for l in linears)
+            or all(getattr(l.__dict__.get("forward"), "plan", None) is None for l in linears)
             or any(rms_form(part.emb_norm) is None for part in heads)):
         return None
     key = (*(id(l.__dict__.get("forward")) for l in linears),

@@ -256,8 +256,8 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
     of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
     or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
-    faster here (`Race`: Medusa's is the same math in fewer ops; the prophet's is a native call whose gain is the CPU's
-    to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
+    faster here (`Race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
+    the CPU's to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
     it."""
     gamma = len(tree.levels)
     race = _RACES.setdefault(drafter, {}).setdefault(gamma, Race()) if ctx.length.device.type == "cpu" else None
