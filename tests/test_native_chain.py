@@ -46,20 +46,23 @@ def plain(base, prompts=(PROMPT,), new: int = 16):
     return generate(base, list(prompts), None, SamplerConfig(max_new_tokens=new, eos_token_id=[])).tokens.tolist()
 
 
-def prophet(base, vocab: int | None, layers: int = 1, seed: int = 0) -> Prophet:
-    """A fresh prophet (the base's own head on h_t at depth 0), perturbed so that every weight matters; its draft vocab
-    random tokens and those the base writes (as one counted on the base's own text would hold them)."""
-    d = Prophet(base, num_layers=layers, draft_vocab_size=vocab)
+def perturbed(base, drafter, seed: int = 0):
+    """A fresh drafter (the base's own head on h_t at depth 0), perturbed so that every weight matters; its draft vocab
+    (if any) random tokens and those the base writes (as one counted on the base's own text would hold them)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in d.parameters():
+        for p in drafter.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    if vocab:
+    if drafter.draft_vocab is not None:
         written = torch.tensor(sorted(set(plain(base)[0])))
         rest = torch.randperm(base.vocab_size, generator=gen)
-        rest = rest[~torch.isin(rest, written)][: vocab - len(written)]
-        d.set_draft_vocab(torch.cat([written, rest]))
-    return d.eval()
+        rest = rest[~torch.isin(rest, written)][: drafter.draft_vocab.size - len(written)]
+        drafter.set_draft_vocab(torch.cat([written, rest]))
+    return drafter.eval()
+
+
+def prophet(base, vocab: int | None, layers: int = 1) -> Prophet:
+    return perturbed(base, Prophet(base, num_layers=layers, draft_vocab_size=vocab))
 
 
 def decode(base, drafter, monkeypatch, native_on: bool, **kw):
@@ -175,16 +178,7 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
     """Hydra's chain of heads as one native call: the tokens of its depth-by-depth `expand` calls (the paths they leave
     too), so the same acceptances and plain greedy decoding's tokens; with a shared or own vocab head, one or two blocks,
     fp32 or q4."""
-    drafter = Hydra(base, num_heads=4, num_layers=layers, own_lm_head=own, draft_vocab_size=vocab)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    if vocab:
-        written = torch.tensor(sorted(set(plain(base)[0])))
-        rest = torch.randperm(base.vocab_size, generator=gen)
-        drafter.set_draft_vocab(torch.cat([written, rest[~torch.isin(rest, written)][: vocab - len(written)]]))
-    drafter.eval()
+    drafter = perturbed(base, Hydra(base, num_heads=4, num_layers=layers, own_lm_head=own, draft_vocab_size=vocab))
     ran, rounds = [], []
     call = native_chain.head_chain
 
