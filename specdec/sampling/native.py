@@ -1,7 +1,7 @@
 """The small-M product of smallm.c, built on first use by this machine's C compiler for this machine's CPU: one more
 candidate for the kernel table (kernels.py), used where measurement on this machine picks it; and, in the same library,
 a whole lean decoder layer over that product (layer.c, used through native_layer.py where measurement picks it), and a
-feature drafter's whole greedy chain over both (chain.c, through native_chain.py).
+drafter's whole greedy chain over both (chain.c: the prophet's and Hydra's, through native_chain.py).
 
 (A native RMSNorm and a native attention called one op at a time were tried first: the norm saved ~9 µs a call, about
 0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x with scalar expf. What pays is the whole layer in one
@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("smallm.c")  # the products (what the kernel table's signature covers)
 LAYER_SOURCE = Path(__file__).with_name("layer.c")  # a whole decoder layer over them (native_layer.py)
-CHAIN_SOURCE = Path(__file__).with_name("chain.c")  # a feature drafter's greedy chain over both (native_chain.py)
+CHAIN_SOURCE = Path(__file__).with_name("chain.c")  # a drafter's greedy chain over both (native_chain.py)
 CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "native"
 # tried in order: the first set the compiler accepts is used (-march=native is not on every compiler and target;
 # without OpenMP the kernel runs on one thread and measurement will rarely pick it, but it stays correct)
