@@ -1,6 +1,6 @@
 """Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, with the drafter's
 weights exact (fp32), as bfloat16 copies, with Q8_0 blocks allowed too (q8, the sampler's default draft_precision) and
-Q4_1 blocks too (q4), per family.
+Q4_1 blocks too (q4), per family (Medusa, Hydra, the prophet).
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48] [--precisions q8 q4]
                                                                        [--reps 5]
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.drafters.hydra import Hydra  # noqa: E402
 from specdec.drafters.medusa import Medusa  # noqa: E402
 from specdec.drafters.prophet import Prophet  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
@@ -69,6 +70,7 @@ def main() -> None:
     step_bytes = streamed_bytes(base)
     rows, ratios = {}, {}
     for family, make in {"medusa": lambda v: Medusa(base, num_heads=args.gamma, draft_vocab_size=v),
+                         "hydra": lambda v: Hydra(base, num_heads=args.gamma, draft_vocab_size=v),
                          "prophet": lambda v: Prophet(base, draft_vocab_size=v)}.items():
         for vocab in (None, 8192):
             drafter = make(vocab).eval()
@@ -80,12 +82,13 @@ def main() -> None:
                 c = statistics.median(per_round) / args.gamma / t1
                 name = f"{family}, vocab {vocab or base.vocab_size}, {precision}"
                 rows[name] = round(c, 4)
-                # a depth's products: the prophet's block, fc and projection; one Medusa head (its γ heads draft one
-                # depth each) and the projection they share
-                body = drafter.heads[0] if family == "medusa" else drafter
+                # a depth's products: the prophet's block, fc and projection; a Medusa or Hydra head (its γ heads
+                # draft one depth each: their mean, Hydra's in_proj widening with the depth) and the projection
+                bodies = [drafter] if family == "prophet" else list(drafter.heads)
                 head = drafter.draft_vocab.head if vocab else base.lm_head
-                linears = {id(m): m for m in [*decode_linears(body), head]}.values()
-                depth_bytes = sum(held_bytes(m.weight, precision) for m in linears)
+                depth_bytes = held_bytes(head.weight, precision) + sum(
+                    held_bytes(m.weight, precision) for body in bodies for m in decode_linears(body)
+                    if m is not head) / len(bodies)
                 ratios[name] = round(depth_bytes / step_bytes, 4)
                 print(f"{family:8s} draft vocab {vocab or base.vocab_size:6d} {precision}: c = {c:.3f} "
                       f"(T_1 {t1 * 1e3:.1f} ms; bytes {ratios[name]:.3f} of a step's: {depth_bytes / 1e6:.1f} MB a depth, "
