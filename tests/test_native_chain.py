@@ -115,6 +115,24 @@ def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeyp
 
 
 @needs_compiler
+def test_the_prophet_chain_reads_weights_changed_between_decodes(base, native_layers, monkeypatch):
+    """The native chain is made once per decode: weights changed in place between decodes (training on: fc, the norms)
+    are read by the next decode's chain and observe as by the PyTorch path."""
+    drafter = prophet(base, 48)
+    decode(base, drafter, monkeypatch, True)
+    with torch.no_grad():
+        for p in (drafter.fc.weight, drafter.emb_norm.weight, drafter.norm.weight):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    whole, whole_rounds, (chains, entries) = decode(base, drafter, monkeypatch, True)
+    split, split_rounds, _ = decode(base, drafter, monkeypatch, False)
+    assert chains and all(chains) and entries[1:] and all(entries[1:])
+    for (tokens, hats), (tokens_ref, hats_ref) in zip(whole_rounds, split_rounds, strict=True):
+        assert tokens.tolist() == tokens_ref.tolist()
+        torch.testing.assert_close(hats, hats_ref, atol=1e-4, rtol=1e-4)
+    assert whole.accepted == split.accepted
+
+
+@needs_compiler
 def test_without_native_layers_the_prophet_drafts_depth_by_depth(base, monkeypatch):
     """No native layer for one row (measurement picked the lean ones), or no chain kernel in the library: the chain is
     not taken, the draft runs depth by depth, and decoding stays lossless."""

@@ -76,16 +76,13 @@ def _copy(lin: nn.Linear, rows: int = 1) -> Compact | native.Packed:
 
 
 class FeatureChain:
-    """One drafter's chain_t and what it points into (kept alive here), for one set of native layers, kernel plans and
-    weights (`key`)."""
+    """One drafter's chain_t and what it points into (kept alive here), made once per decode (`witness`)."""
 
-    def __init__(self, parts: ChainParts, natives: list[native_layer.NativeLayer], key: tuple):
-        self.key, self.natives, self.fc = key, natives, parts.fc
+    def __init__(self, parts: ChainParts, natives: list[native_layer.NativeLayer], witness: tuple):
+        self.witness, self.natives, self.fc = witness, natives, parts.fc
         self.copies = [_copy(parts.fc), _copy(parts.head)]  # kept alive: chain.c reads them by address
         self.fc_copies: dict[int, tuple] = {}  # rows -> (fc's copy, its form) for the entries (`fc_copy`)
-        self.stacks: dict[tuple[int, ...], ctypes.Array] = {}  # natives' ids -> their pointer array (`stack`)
-        self.layers = self.stack(natives)
-        self.shapes = native_layer._shapes(natives)
+        self.layers, self.shapes = native_layer.pointers(natives)  # (the array kept: chain.c reads it by address)
         self.vocab = None if parts.vocab is None else parts.vocab.contiguous()
         (emb_w, emb_eps), (norm_w, norm_eps) = rms_form(parts.emb_norm), rms_form(parts.norm)
         self.keep = (parts.embed, emb_w, norm_w)
@@ -109,35 +106,29 @@ class FeatureChain:
             have = self.fc_copies[rows] = (copy, native_layer.FORMATS[native_layer._held_as(copy)])
         return have
 
-    def stack(self, natives: list[native_layer.NativeLayer]) -> ctypes.Array:
-        """The pointer array chain.c walks for these layers."""
-        key = tuple(map(id, natives))
-        have = self.stacks.get(key)
-        if have is None:
-            have = self.stacks[key] = (ctypes.c_void_p * len(natives))(*(ctypes.addressof(l.struct) for l in natives))
-        return have
-
 
 _CHAINS: weakref.WeakKeyDictionary[nn.Module, FeatureChain] = weakref.WeakKeyDictionary()  # drafter -> its chain
 
 
 def _chain(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, x: torch.Tensor) -> FeatureChain | None:
-    """The drafter's FeatureChain for this context (made again when its native layers, kernel plans or weights
-    changed), or None where chain.c takes no call: no library, off the CPU, several rows, not float32 (x [B, n, H]),
-    no native layers for one row, a norm of another formula."""
+    """The drafter's FeatureChain for this decode, or None where chain.c takes no call: no library, off the CPU, several
+    rows, not float32 (x [B, n, H]), no native layers for one row, a norm of another formula."""
     lib = native._load()
     if (lib is None or not hasattr(lib, "smallm_feature_entries") or x.device.type != "cpu" or x.shape[0] != 1
-            or x.dtype != torch.float32 or parts.embed.dtype != torch.float32 or not parts.embed.is_contiguous()):
+            or x.dtype != torch.float32):
         return None
-    natives = _natives(ctx, parts, 1)
-    if natives is None or rms_form(parts.emb_norm) is None or rms_form(parts.norm) is None:
-        return None
-    key = (tuple(map(id, natives)), *(id(lin.__dict__.get("forward")) for lin in (parts.fc, parts.head)),
-           *((w.data_ptr(), w._version) for w in (parts.fc.weight, parts.head.weight, parts.embed,
-                                                   parts.emb_norm.weight, parts.norm.weight)))
+    # the native forms the sampler attached to the first block for this decode (`native_layer.attach` gives each decode
+    # a list of its own): nothing chain.c reads changes within a decode
+    first = ctx._lean(parts.blocks)[0]
+    witness = None if first is None else (first, first.native_rows)
     chain = _CHAINS.get(drafter)
-    if chain is None or chain.key != key:
-        chain = _CHAINS[drafter] = FeatureChain(parts, natives, key)
+    if chain is not None and witness is not None and chain.witness[0] is first and chain.witness[1] is witness[1]:
+        return chain
+    natives = _natives(ctx, parts, 1)
+    if (natives is None or parts.embed.dtype != torch.float32 or not parts.embed.is_contiguous()
+            or rms_form(parts.emb_norm) is None or rms_form(parts.norm) is None):
+        return None
+    chain = _CHAINS[drafter] = FeatureChain(parts, natives, witness)
     return chain
 
 
@@ -213,11 +204,12 @@ def _native_entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext,
         return None
     _, rope = ctx._rotary(features, position_offset, False, True)
     out = torch.empty_like(features)
-    call = native_layer._Call(out, rope, ctx.mask, cache, native_layer._shapes(natives))
+    layers, shapes = native_layer.pointers(natives)
+    call = native_layer._Call(out, rope, ctx.mask, cache, shapes)
     fc, form = chain.fc_copy(n)
     work = torch.empty(n, 2 * features.shape[-1])
     done = native._library().smallm_feature_entries(
-        ctypes.byref(chain.struct), fc.blocks.data_ptr(), form, chain.stack(natives), len(natives),
+        ctypes.byref(chain.struct), fc.blocks.data_ptr(), form, layers, len(natives),
         features.contiguous().data_ptr(), tokens.contiguous().data_ptr(), work.data_ptr(), out.data_ptr(), *call.args)
     return out if done == 0 else None
 

@@ -191,16 +191,22 @@ def _shapes(layers: list[NativeLayer]) -> list[NativeLayer]:
                  for l in layers}.values())
 
 
-def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               mask: torch.Tensor | None, cache: SlotCache, keep: Collection[int] = (),
-               norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+def pointers(layers: list[NativeLayer]) -> tuple[ctypes.Array, list[NativeLayer]]:
+    """The pointer array layer.c walks for `layers` and one layer of each shape among them, kept for a few recent
+    stacks (a caller that holds the array longer keeps its own reference)."""
     ids = tuple(map(id, layers))
     if ids not in _STACKS:
         if len(_STACKS) >= 4:
             _STACKS.pop(next(iter(_STACKS)))
         _STACKS[ids] = (layers, (ctypes.c_void_p * len(layers))(*(ctypes.addressof(l.struct) for l in layers)),
                         _shapes(layers))
-    _, array, shapes = _STACKS[ids]
+    return _STACKS[ids][1:]
+
+
+def _run_stack(layers: list[NativeLayer], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None, cache: SlotCache, keep: Collection[int] = (),
+               norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    array, shapes = pointers(layers)
     if not all(l.bind(cache, hidden) for l in layers):
         return None
     out = hidden.contiguous().clone()  # written in place (the input may be kept)
