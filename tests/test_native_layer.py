@@ -104,11 +104,13 @@ def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, mo
 
 @needs_compiler
 @pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("nodes", [5, 9, 13])
-def test_a_tree_verify_gives_the_lean_numbers(forced, nodes, head_dim):
+@pytest.mark.parametrize("nodes", [1, 5, 13])
+@pytest.mark.parametrize("prompt_len, threads", [(21, 2), (90, 2), (90, 1), (150, 3)])
+def test_a_tree_verify_gives_the_lean_numbers(forced, nodes, head_dim, prompt_len, threads):
     """A verify of a tree of several nodes through the native layers: every query under its own ancestors' mask over
-    the round's slots, the lean numbers; at 9 and 13 nodes a kv head's queries take the lanes of a vector together
-    (layer.c's attend_lanes), head size 64 its unrolled form as SmolLM2's."""
+    the round's slots, the lean numbers; head size 64 in its unrolled form as SmolLM2's. Over a long window, with 2 kv
+    heads on 1 or 2 threads each kv head is one task, on 3 threads its keys are split in shares whose partial softmaxes
+    layer.c merges (as SmolLM2's 3 kv heads on 2 threads); a short window is never split."""
     base = tiny_base(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
     parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree
     visible = torch.zeros(nodes, nodes, dtype=torch.bool)
@@ -118,16 +120,21 @@ def test_a_tree_verify_gives_the_lean_numbers(forced, nodes, head_dim):
         if p >= 0:
             visible[i] |= visible[p]
             depth[i] = depth[p] + 1
-    prompt = torch.arange(20, 41)[None]
+    prompt = (torch.arange(prompt_len) % 50 + 20)[None]
     outs = []
-    for native_on in (False, True):
-        with measured_kernels(base, table=table()) if native_on else contextlib.nullcontext(), torch.no_grad():
-            ctx = SamplingContext(base, 1, 64)
-            ctx.commit_layout(prompt.shape[1])
-            ctx.base_forward(prompt)
-            ctx.commit(torch.tensor([prompt.shape[1]]), [prompt.shape[1]])
-            ctx.tree_layout(torch.arange(nodes), depth, visible)
-            outs.append(ctx.base_forward(torch.arange(3, 3 + nodes)[None])[0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for native_on in (False, True):
+            with measured_kernels(base, table=table()) if native_on else contextlib.nullcontext(), torch.no_grad():
+                ctx = SamplingContext(base, 1, prompt_len + 16)
+                ctx.commit_layout(prompt.shape[1])
+                ctx.base_forward(prompt)
+                ctx.commit(torch.tensor([prompt.shape[1]]), [prompt.shape[1]])
+                ctx.tree_layout(torch.arange(nodes), depth, visible)
+                outs.append(ctx.base_forward(torch.arange(3, 3 + nodes)[None])[0])
+    finally:
+        torch.set_num_threads(before)
     assert forced and all(forced)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 

@@ -68,10 +68,8 @@ static inline fvec vload(const float *p) {
 static inline void vstore(float *p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
 static inline fvec splat(float f) { return (fvec){0} + f; }
 
-/* the lanes' sum: one shuffle-and-add tree in registers where the CPU has the vectors. The generic loop went through
-   the stack, each attention score waiting on a chain of 15 dependent adds: outside its products, a pass of SmolLM2's
-   30 layers over 9 tokens took 3.8 ms with it, 2.4 ms with this and the vector max in `attend` (products 7.5-7.8 ms;
-   2-core Xeon, twenty-fifth session) */
+/* the lanes' sum: one shuffle-and-add tree in registers where the CPU has the vectors (the generic loop goes through
+   the stack, a chain of 15 dependent adds) */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -156,128 +154,148 @@ static void rotate(float *x, const float *cos, const float *sin, int d) {
     __builtin_memcpy(x, tmp, sizeof(float) * d);
 }
 
-/* o [d] = softmax(q·Kᵀ·scaling + mask) · V over the window's `width` slots; scores: `width` floats of scratch */
-static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V,
-                                                         const float *mask, float *scores, float *o, int width, int d,
-                                                         float scaling) {
-    for (int w = 0; w < width; w++) {
-        const float *k = K + (size_t)w * d;
-        fvec acc = {0};
-        for (int j = 0; j < d; j += PLANES) acc += vload(q + j) * vload(k + j);
-        scores[w] = vsum(acc) * scaling + (mask ? mask[w] : 0.f);
-    }
-    /* the largest score, PLANES at a time (a running scalar max made every score wait on the one before) */
-    fvec most = splat(-3.4e38f);
-    int w = 0;
-    for (; w + PLANES <= width; w += PLANES) {
-        const fvec v = vload(scores + w);
-        most = blend(v > most, v, most);
-    }
-    float top = -3.4e38f;
-    for (int l = 0; l < PLANES; l++) top = most[l] > top ? most[l] : top;
-    for (; w < width; w++) top = scores[w] > top ? scores[w] : top;
-    fvec total = {0};
-    w = 0;
-    for (; w + PLANES <= width; w += PLANES) {
-        const fvec e = vexp(vload(scores + w) - top);
-        vstore(scores + w, e);
-        total += e;
-    }
-    float sum = vsum(total);
-    for (; w < width; w++) {
-        scores[w] = vexp_scalar(scores[w] - top);
-        sum += scores[w];
-    }
-    fvec acc[16] = {{0}};                                       /* d ≤ 16·PLANES */
-    const int parts = d / PLANES;
-    for (w = 0; w < width; w++) {
-        const float *v = V + (size_t)w * d;
-        const float p = scores[w];
-        for (int j = 0; j < parts; j++) acc[j] += vload(v + j * PLANES) * p;
-    }
-    const float inv = 1.0f / sum;
-    for (int j = 0; j < parts; j++) vstore(o + j * PLANES, acc[j] * inv);
+/* Two-source lane shuffles with constant indices (GCC's and Clang's spellings of the same builtin) */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
+#endif
+
+/* The lane sums of PLANES vectors a_k as one vector, lane k = Σ_l a_k[l]: a transpose-and-add tree. Each level adds
+   the low and high halves of every segment of a pair of vectors (2 shuffles and an add per vector out): 3·(PLANES - 1)
+   vector ops for PLANES sums, where summing each vector alone is a chain of log2(PLANES) dependent shuffles and adds.
+   pair_sums is the first level (a_2i, a_2i+1 -> b_i, so the a need not all be live at once), lane_sums the rest. */
+#if PLANES == 16
+#define L16A 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define L16B 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define L8A 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define L8B 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define L4A 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define L4B 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define L2A 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define L2B 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#else
+#define L8A 0, 1, 2, 3, 8, 9, 10, 11
+#define L8B 4, 5, 6, 7, 12, 13, 14, 15
+#define L4A 0, 1, 4, 5, 8, 9, 12, 13
+#define L4B 2, 3, 6, 7, 10, 11, 14, 15
+#define L2A 0, 2, 4, 6, 8, 10, 12, 14
+#define L2B 1, 3, 5, 7, 9, 11, 13, 15
+#endif
+#define HALVES(u, v, lo, hi) (SHUFFLE(u, v, lo) + SHUFFLE(u, v, hi))
+static inline fvec pair_sums(fvec u, fvec v) {
+#if PLANES == 16
+    return HALVES(u, v, L16A, L16B);
+#else
+    return HALVES(u, v, L8A, L8B);
+#endif
+}
+static inline fvec lane_sums(const fvec *b) { /* b: the PLANES/2 pair_sums */
+#if PLANES == 16
+    fvec c[4], e[2];
+    for (int i = 0; i < 4; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], L8A, L8B);
+#else
+    const fvec *c = b;
+    fvec e[2];
+#endif
+    for (int i = 0; i < 2; i++) e[i] = HALVES(c[2 * i], c[2 * i + 1], L4A, L4B);
+    return HALVES(e[0], e[1], L2A, L2B);
 }
 
-/* The attention of up to PLANES queries of one kv head at once, lane l for the l-th of them (q[l], or NULL past the
-   last), over the window's `width` keys. `attend`, called per (head, row), spends most of its time summing each score's
-   lanes (a shuffle chain per key) and reads the keys once per query; here the queries are transposed, qt [d, PLANES],
-   so that one key's scores for all of them are one vector, st[w] = Σ_j K[w, j]·qt[j] (8 keys in flight to hide the FMA
-   latency), the softmax runs lane-wise down the keys, and each value row serves QV queries at a time. masks[l]: lane
-   l's additive mask row or NULL (no mask at all: masks NULL), whose entries are 0 before masked_from (the prompt's
-   keys, which every row sees: only the last few keys are looked up per lane). out[l]: where lane l's [d] output goes
-   (NULL past the last query). qt: d·PLANES, st: width·PLANES floats of scratch. On the 2-core Xeon (family 6 model
-   167), 9 heads over 3 kv heads of 64, 170 keys, a layer's attention over 1 / 2 / 5 / 9 rows took 7.1 / 13.9 / 33 / 56
-   µs with `attend` per (head, row), 10.6 / 12.3 / 15.6 / 22.9 this way (thirtieth session, one process). In a forward,
-   where the keys and values come from memory, it gained at 9 rows (see `attention`). */
-#define QV (PLANES == 16 ? 4 : 2) /* queries per pass over the values: QV·d/PLANES accumulators in registers */
-static inline __attribute__((always_inline)) void attend_lanes(const float *const *q, const float *const *masks,
-                                                               int masked_from, const float *K, const float *V,
-                                                               float *qt, float *st, float *const *out, int width,
-                                                               int d, float scaling) {
-    for (int j = 0; j < d; j++)
-        for (int l = 0; l < PLANES; l++) qt[(size_t)j * PLANES + l] = q[l] ? q[l][j] : 0.f;
-    int w = 0;
-    for (; w + 8 <= width; w += 8) {
-        fvec a[8] = {{0}};
-        for (int j = 0; j < d; j++) {
-            const fvec qv = vload(qt + (size_t)j * PLANES);
-            for (int k = 0; k < 8; k++) a[k] += qv * K[(size_t)(w + k) * d + j];
+/* One kv head's attention over the window's keys [w0, w1), for its nq queries (GQA: its group of heads times the rows;
+   qs[i] query i's [d] vector, ms[i] its row's additive mask [width] or NULL). Keys go PLANES at a time: a query's
+   PLANES scores are d/PLANES FMAs per key and one lane_sums, so the scores come out as a vector with the keys in its
+   lanes; the softmax runs down the keys lane-wise (the lanes past w1 at the lowest float, so exp gives them 0); each
+   value row serves QB queries from registers. The keys and values come from memory once (asked for up front: in a
+   forward the layers' weights have evicted them since the last one); the queries' later passes find them in the cache.
+   sc: nq·(w1 - w0 + PLANES + 1) floats of scratch. Out: the normalised output out[i], or where part is not NULL, per
+   query its softmax's max and sum and the unnormalised Σ p·v (part: [nq] maxima, [nq] sums, [nq, d]).
+   Against the per-(head, row) `attend` and the queries-in-lanes `attend_lanes` it replaces (thirty-fifth session, Zen 5
+   EPYC family 26 model 2, a layer's attention over 128 + n keys, caches warm, experiments-style one-off): 3.3 / 5.8 /
+   9.1 / 15.8 / 16.1 / 30.8 µs at n = 1 / 2 / 3 / 5 / 9 / 16 before, 2.8 / 4.4 / 6.5 / 9.9 / 17.3 / 29.5 after. */
+#define QB (PLANES == 16 ? 6 : 2) /* queries per pass over the values: QB·d/PLANES accumulators */
+static inline __attribute__((always_inline)) void attend_keys(const float *const *qs, const float *const *ms, int nq,
+                                                              const float *K, const float *V, int w0, int w1, int d,
+                                                              float scaling, float *sc, float *part,
+                                                              float *const *out) {
+    const int width = w1 - w0, stride = (width + PLANES - 1) / PLANES * PLANES, parts = d / PLANES;
+    for (size_t b = 0; b < (size_t)width * d * sizeof(float); b += 64) {
+        __builtin_prefetch((const char *)(K + (size_t)w0 * d) + b, 0, 3);
+        __builtin_prefetch((const char *)(V + (size_t)w0 * d) + b, 0, 3);
+    }
+    for (int i = 0; i < nq; i++) {
+        fvec q[16];                                             /* d ≤ 16·PLANES */
+        for (int c = 0; c < parts; c++) q[c] = vload(qs[i] + c * PLANES);
+        float *row = sc + (size_t)i * stride;
+        for (int w = 0; w < width; w += PLANES) {
+            const int m = width - w < PLANES ? width - w : PLANES;
+            fvec b[PLANES / 2];
+            for (int k = 0; k < PLANES; k += 2) {
+                const float *k0 = K + (size_t)(w0 + w + (k < m ? k : 0)) * d;
+                const float *k1 = K + (size_t)(w0 + w + (k + 1 < m ? k + 1 : 0)) * d;
+                fvec a0 = q[0] * vload(k0), a1 = q[0] * vload(k1);
+                for (int c = 1; c < parts; c++) {
+                    a0 += q[c] * vload(k0 + c * PLANES);
+                    a1 += q[c] * vload(k1 + c * PLANES);
+                }
+                b[k / 2] = pair_sums(a0, a1);
+            }
+            fvec s = lane_sums(b) * scaling;
+            if (m == PLANES) {
+                if (ms[i]) s += vload(ms[i] + w0 + w);
+            } else
+                for (int k = 0; k < PLANES; k++) s[k] = k < m ? s[k] + (ms[i] ? ms[i][w0 + w + k] : 0.f) : -3.4e38f;
+            vstore(row + w, s);
         }
-        for (int k = 0; k < 8; k++) vstore(st + (size_t)(w + k) * PLANES, a[k] * scaling);
+        fvec most = splat(-3.4e38f), total = {0};
+        for (int w = 0; w < stride; w += PLANES) {
+            const fvec v = vload(row + w);
+            most = blend(v > most, v, most);
+        }
+        float top = most[0];
+        for (int l = 1; l < PLANES; l++) top = most[l] > top ? most[l] : top;
+        for (int w = 0; w < stride; w += PLANES) {
+            const fvec e = vexp(vload(row + w) - top);
+            vstore(row + w, e);
+            total += e;
+        }
+        const float sum = vsum(total);
+        sc[(size_t)nq * stride + i] = sum;
+        if (part) {
+            part[i] = top;
+            part[nq + i] = sum;
+        }
     }
-    for (; w < width; w++) {
-        fvec a = {0};
-        for (int j = 0; j < d; j++) a += vload(qt + (size_t)j * PLANES) * K[(size_t)w * d + j];
-        vstore(st + (size_t)w * PLANES, a * scaling);
-    }
-    if (masks)
-        for (w = masked_from; w < width; w++)
-            for (int l = 0; l < PLANES; l++)
-                if (masks[l]) st[(size_t)w * PLANES + l] += masks[l][w];
-    fvec most = splat(-3.4e38f), total = {0};
-    for (w = 0; w < width; w++) {
-        const fvec v = vload(st + (size_t)w * PLANES);
-        most = blend(v > most, v, most);
-    }
-    for (w = 0; w < width; w++) {
-        const fvec e = vexp(vload(st + (size_t)w * PLANES) - most);
-        vstore(st + (size_t)w * PLANES, e);
-        total += e;
-    }
-    const int parts = d / PLANES;
-    for (int l0 = 0; l0 < PLANES && q[l0]; l0 += QV) {
-        fvec acc[QV][16] = {{{0}}}; /* d ≤ 16·PLANES */
-        for (w = 0; w < width; w++) {
-            const float *v = V + (size_t)w * d, *p = st + (size_t)w * PLANES + l0;
+    for (int i0 = 0; i0 < nq; i0 += QB) {
+        const int qb = nq - i0 < QB ? nq - i0 : QB;
+        fvec acc[QB][16];
+        for (int k = 0; k < QB; k++)
+            for (int c = 0; c < parts; c++) acc[k][c] = (fvec){0};
+        const float *p[QB];
+        for (int k = 0; k < QB; k++) p[k] = sc + (size_t)(i0 + (k < qb ? k : 0)) * stride;
+        for (int w = 0; w < width; w++) {
+            const float *v = V + (size_t)(w0 + w) * d;
             for (int c = 0; c < parts; c++) {
                 const fvec vc = vload(v + c * PLANES);
-                for (int k = 0; k < QV; k++) acc[k][c] += vc * p[k];
+                for (int k = 0; k < QB; k++) acc[k][c] += vc * p[k][w];
             }
         }
-        for (int k = 0; k < QV && l0 + k < PLANES && out[l0 + k]; k++)
-            for (int c = 0; c < parts; c++) vstore(out[l0 + k] + c * PLANES, acc[k][c] * (1.0f / total[l0 + k]));
+        for (int k = 0; k < qb; k++) {
+            float *o = part ? part + 2 * nq + (size_t)(i0 + k) * d : out[i0 + k];
+            const float scale = part ? 1.0f : 1.0f / sc[(size_t)nq * stride + i0 + k];
+            for (int c = 0; c < parts; c++) vstore(o + c * PLANES, acc[k][c] * scale);
+        }
     }
-}
-
-/* the first key where any of the n mask rows [width] is not 0 (width where none is) */
-static int masked_from(const float *mask, int n, int width) {
-    int first = width;
-    for (int r = 0; r < n; r++)
-        for (int w = 0; w < first; w++)
-            if (mask[(size_t)r * width + w] != 0.f) {
-                first = w;
-                break;
-            }
-    return first;
 }
 
 /* floats of scratch `smallm_layer` needs for n rows over a window of `width` slots on `threads` threads */
 long smallm_layer_scratch(const layer_t *L, int n, int width, int threads) {
     const long qkv = (long)(L->heads + 2 * L->kv_heads) * L->head_dim;
     const long wide = qkv > 2L * L->intermediate ? qkv : 2L * L->intermediate;
+    const long nq = (long)n * (L->heads / L->kv_heads);
     return (long)n * (2L * L->hidden + wide + (long)L->heads * L->head_dim + L->intermediate)
-           + (long)threads * (width + (L->head_dim + width) * PLANES); /* attend's scores, attend_lanes' qt and st */
+           + threads * nq * (width + PLANES + 1)                     /* attend_keys' scores, per thread */
+           + (long)L->kv_heads * threads * nq * (2 + L->head_dim);   /* the key splits' partial results */
 }
 
 /* the calling OpenMP thread's number (0 without OpenMP) */
@@ -291,53 +309,57 @@ static inline int thread_num(void) {
 }
 
 /* att [n, heads·d]: the attention of the rows' queries (q | k | v per row in wide) over the window's `width` slots,
-   mask [n, width] additive or NULL; scratch: smallm_layer_scratch's attention part, `scores` on */
+   mask [n, width] additive or NULL; scratch: smallm_layer_scratch's attention part. A task per kv head with all its
+   queries; where the kv heads do not spread evenly over the threads (SmolLM2: 3 over 2, so one thread would do twice
+   the other's work), a task per kv head and share of the keys, the shares' partial softmaxes then merged (rescaled to
+   the largest maximum): every thread reads the same number of keys. */
 static void attention(const layer_t *L, const float *wide, int qkv_width, const float *mask, float *att, int n,
-                      int width, float *scores, int threads) {
-    const int d = L->head_dim, heads = L->heads, kv = L->kv_heads;
-    const int group = heads / kv, nq = n * group; /* a kv head's queries: (row, head of its group) in that order */
-    const int blocks = (nq + PLANES - 1) / PLANES;
-    /* attend_lanes where every thread gets two of its tasks or more: a task per kv head and PLANES queries, each
-       reading its keys and values once. With fewer tasks than that (SmolLM2, 3 kv heads: under 6 rows), one thread
-       does twice the other's and the forward lost or gained nothing over `attend` (ab_native.py --forward on the
-       2-core Xeon, HEAD / this: 0.96 at 3 rows, 0.99-1.01 at 5 and 6, 1.02-1.05 at 9) */
-    if (n > 1 && kv * blocks >= 2 * threads) {
-        const int from = mask ? masked_from(mask, n, width) : width;
-        float *lanes = scores + (size_t)threads * width; /* per thread: qt, st */
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int task = 0; task < kv * blocks; task++) {
-            const int t = thread_num();
-            const int g = task / blocks, b = task % blocks;
-            const float *qs[PLANES], *ms[PLANES];
-            float *outs[PLANES];
-            for (int l = 0; l < PLANES; l++) {
-                const int i = b * PLANES + l, r = i / group, hd = g * group + i % group;
-                qs[l] = i < nq ? wide + (size_t)r * qkv_width + (size_t)hd * d : NULL;
-                ms[l] = i < nq && mask ? mask + (size_t)r * width : NULL;
-                outs[l] = i < nq ? att + (size_t)r * heads * d + (size_t)hd * d : NULL;
+                      int width, float *scratch, int threads) {
+    const int d = L->head_dim, heads = L->heads, kv = L->kv_heads, group = heads / kv, nq = n * group;
+    const int splits = kv % threads == 0 || width < 2 * PLANES * threads ? 1 : threads;
+    const size_t sc_size = (size_t)nq * (width + PLANES + 1), part_size = (size_t)nq * (2 + d);
+    float *parts = scratch + (size_t)threads * sc_size;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int task = 0; task < kv * splits; task++) {
+            const int g = task % kv, s = task / kv;
+            const float *qs[nq], *ms[nq];
+            float *outs[nq];
+            for (int i = 0; i < nq; i++) {
+                const int r = i / group, hd = g * group + i % group;
+                qs[i] = wide + (size_t)r * qkv_width + (size_t)hd * d;
+                ms[i] = mask ? mask + (size_t)r * width : NULL;
+                outs[i] = att + (size_t)r * heads * d + (size_t)hd * d;
             }
             const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
-            float *qt = lanes + (size_t)t * (d + width) * PLANES, *st = qt + (size_t)d * PLANES;
-            if (d == 64)
-                attend_lanes(qs, mask ? ms : NULL, from, K, V, qt, st, outs, width, 64, L->scaling);
+            const int w0 = (int)((long)width * s / splits), w1 = (int)((long)width * (s + 1) / splits);
+            float *sc = scratch + (size_t)thread_num() * sc_size, *part = splits > 1 ? parts + task * part_size : NULL;
+            if (d == 64) /* the common head size as a constant: its loops unroll */
+                attend_keys(qs, ms, nq, K, V, w0, w1, 64, L->scaling, sc, part, outs);
             else
-                attend_lanes(qs, mask ? ms : NULL, from, K, V, qt, st, outs, width, d, L->scaling);
-        }
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int task = 0; task < heads * n; task++) {
-            const int t = thread_num();
-            const int hd = task / n, r = task % n, g = hd / group;
-            const float *q = wide + (size_t)r * qkv_width + (size_t)hd * d;
-            const float *K = L->keys + (size_t)g * L->max_len * d, *V = L->values + (size_t)g * L->max_len * d;
-            const float *m = mask ? mask + (size_t)r * width : NULL;
-            float *o = att + (size_t)r * heads * d + (size_t)hd * d, *sc = scores + (size_t)t * width;
-            if (d == 64)  /* the common head size as a constant: its loops unroll */
-                attend(q, K, V, m, sc, o, width, 64, L->scaling);
-            else
-                attend(q, K, V, m, sc, o, width, d, L->scaling);
+                attend_keys(qs, ms, nq, K, V, w0, w1, d, L->scaling, sc, part, outs);
         }
     }
+    if (splits > 1) /* each query's shares merged (a few vector ops per query: not worth waking the threads) */
+        for (int g = 0; g < kv; g++)
+            for (int i = 0; i < nq; i++) {
+                const int r = i / group, hd = g * group + i % group;
+                float top = -3.4e38f, sum = 0.f;
+                for (int s = 0; s < splits; s++) {
+                    const float m = parts[(s * kv + g) * part_size + i];
+                    top = m > top ? m : top;
+                }
+                fvec o[16] = {{0}};
+                for (int s = 0; s < splits; s++) {
+                    const float *p = parts + (s * kv + g) * part_size;
+                    const float scale = vexp_scalar(p[i] - top);
+                    sum += scale * p[nq + i];
+                    for (int c = 0; c < d / PLANES; c++) o[c] += vload(p + 2 * nq + (size_t)i * d + c * PLANES) * scale;
+                }
+                float *out = att + (size_t)r * heads * d + (size_t)hd * d;
+                for (int c = 0; c < d / PLANES; c++) vstore(out + c * PLANES, o[c] * (1.0f / sum));
+            }
 }
 
 /* The layer over h [n, H] in place (batch of one). cos, sin [n, d]: lean_rope's tables at the rows' positions;
