@@ -52,13 +52,27 @@ def test_a_form_is_found_only_where_it_reproduces_every_weight(kind):
         compact.pack(torch.randn(64, 96))  # the kernel table's operand raises: the candidate is left out
 
 
+@pytest.fixture(params=[6, 12], ids=["reassociated_to_6_rows", "reassociated_always"])
+def reassociated(request):
+    """smallm.c's compact kernels with its reassociated blocks serving up to 6 rows (the plain ones past that) or every
+    row count, whichever the calibration chose, restored after (without AVX-512 neither exists: the plain ones)."""
+    if not native.available():
+        pytest.skip("no native library")
+    lib = native._library()
+    before = lib.smallm_reassociated_rows()
+    lib.smallm_set_reassociated_rows(request.param)
+    yield request.param
+    lib.smallm_set_reassociated_rows(before)
+
+
 @needs_compiler
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 6, 8, 13])
-def test_the_kernels_multiply_with_the_weights_own_numbers(kind, rows):
+@pytest.mark.parametrize("rows", [1, 2, 6, 8, 13, 25])
+def test_the_kernels_multiply_with_the_weights_own_numbers(kind, rows, reassociated):
     """One-hot rows pick single weights out: their products are the float32 weights themselves, bit for bit (so the
     kernel decodes every weight to the number the model holds), for an output count that is not a whole number of
-    packed blocks and more rows than one pass takes; any rows: the float32 product to rounding."""
+    packed blocks and more rows than one pass takes; any rows: the float32 product to rounding. Both ways the compact
+    kernels may serve more than 6 rows."""
     o, i = 70, 96
     w = gguf_like(o, i, kind, seed=1) if kind != "bf16" else torch.randn(o, i).to(torch.bfloat16).float()
     c = compact.form(w)
@@ -68,6 +82,15 @@ def test_the_kernels_multiply_with_the_weights_own_numbers(kind, rows):
     assert torch.equal(compact.gemm(onehot, c), w[:, picks].T)
     x = torch.randn(rows, i)
     torch.testing.assert_close(compact.gemm(x, c), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_which_blocks_serve_more_than_six_rows_is_measured_where_the_library_loads():
+    lib = native._library()
+    chosen = native.reassociated_rows()
+    assert chosen in (0, 6, 12)  # 0: no AVX-512 (the plain blocks only), else the calibration's choice
+    assert lib.smallm_calibrate() in (0, 6, 12)
+    lib.smallm_set_reassociated_rows(chosen)
 
 
 @needs_compiler

@@ -138,6 +138,11 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.smallm_pack_rows.restype = ctypes.c_int
+    if hasattr(lib, "smallm_calibrate"):  # (an older revision's library lacks it) which blocks serve > 6 rows
+        for name in ("smallm_calibrate", "smallm_reassociated_rows", "smallm_set_reassociated_rows"):
+            getattr(lib, name).restype = ctypes.c_int
+        lib.smallm_set_reassociated_rows.argtypes = [ctypes.c_int]
+        lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
     if hasattr(lib, "smallm_evict"):  # (an older revision's library lacks it)
         lib.smallm_evict.restype = None
         lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
@@ -183,6 +188,13 @@ def open_library(path: Path | str) -> ctypes.CDLL:
 
 def available() -> bool:
     return _load() is not None
+
+
+def reassociated_rows() -> int:
+    """Up to how many rows the compact kernels sum per group of 32 columns first (smallm.c's reassociated blocks,
+    measured against the plain ones where the library loaded: 6 or 12, 12 meaning every row count; 0 without
+    AVX-512)."""
+    return _library().smallm_reassociated_rows()
 
 
 def evict(t: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ ctypes. Plain C with GCC/Clang vector extensions, so one source serves AVX2, AVX
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
 
 #define LANES 8   /* floats per vector: 256 bits (two NEON / one AVX2 register, half an AVX-512 one) */
 #define BLOCK 12  /* x rows kept in registers per pass over W */
@@ -304,12 +306,18 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
    another order (a q4 weight is no longer rounded to float32 on its own; against float64, the sums' largest error
    relative to Σ|x·w| was no larger). A pass over SmolLM2's 121 products (Q4_1 layers, Q8_0 lm_head), 2-core Xeon
    (family 6 model 167), 15 interleaved rounds: 5.0 / 5.1 / 5.6 / 6.8 / 7.5 ms at 1 / 2 / 3 / 5 / 6 rows before, 4.6 /
-   4.6 / 5.1 / 6.3 / 7.1 after (experiments/ab_native.py --compact --rev <before>). With up to four rows, two sets of
-   partial sums (even and odd columns) keep 4-16 FMA chains in flight instead of 2-8 (a Zen 5 EPYC, family 26 model 2,
+   4.6 / 5.1 / 6.3 / 7.1 after (experiments/ab_native.py --compact --rev <before>). With up to six rows, two sets of
+   partial sums (even and odd columns) keep 8-24 FMA chains in flight instead of 4-12 (a Zen 5 EPYC, family 26 model 2,
    needs ~8 to fill its two FMA pipes): the verify forward there, `ab_native.py --forward --rev <split up to 2 rows>`,
-   1.11 / 1.08 faster at 3 / 4 tokens, the same at 1, 2 and 5 (split at 5 rows too: 1.02, within the noise). */
-#define QS_HEIGHT 6
-#define QS_SPLIT(MB) ((MB) <= 4 ? 2 : 1)
+   1.11 / 1.08 faster at 3 / 4 tokens with the split up to 4 rows; up to 6, a pass over SmolLM2's products 1.03 / 1.04
+   faster at 5 / 6 rows again (thirty-fifth session, a one-off driver over the library, interleaved).
+   Past 6 rows the totals no longer fit in registers beside the partial sums; the compiler then keeps some in memory,
+   touched once a group. On that Zen 5 these blocks up to 12 rows (and in blocks of 12 past that) still beat the plain
+   ones, 1.05 / 1.03 / 1.01 / 1.05 at 8 / 9 / 12 / 16 rows; a CPU with fewer load ports may lose, so which serves more
+   than 6 rows is measured where the library loads (smallm_calibrate). */
+#define QS_HEIGHT 12
+#define QS_SAFE 6 /* the rows the reassociated blocks always serve (their totals in registers) */
+#define QS_SPLIT(MB) ((MB) <= 6 ? 2 : 1)
 #define QS_BLOCK(NAME, MB, Q4) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
         const int groups = I / QGROUP; \
@@ -375,11 +383,14 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
     }
 #define QS_HEIGHTS(P, Q4) \
     QS_BLOCK(P##1, 1, Q4) QS_BLOCK(P##2, 2, Q4) QS_BLOCK(P##3, 3, Q4) QS_BLOCK(P##4, 4, Q4) QS_BLOCK(P##5, 5, Q4) \
-    QS_BLOCK(P##6, 6, Q4)
+    QS_BLOCK(P##6, 6, Q4) QS_BLOCK(P##7, 7, Q4) QS_BLOCK(P##8, 8, Q4) QS_BLOCK(P##9, 9, Q4) QS_BLOCK(P##10, 10, Q4) \
+    QS_BLOCK(P##11, 11, Q4) QS_BLOCK(P##12, 12, Q4)
 QS_HEIGHTS(q4s_, 1)
 QS_HEIGHTS(q8s_, 0)
-static const block_fn Q4S[QS_HEIGHT + 1] = {0, q4s_1, q4s_2, q4s_3, q4s_4, q4s_5, q4s_6};
-static const block_fn Q8S[QS_HEIGHT + 1] = {0, q8s_1, q8s_2, q8s_3, q8s_4, q8s_5, q8s_6};
+static const block_fn Q4S[QS_HEIGHT + 1] = {0, q4s_1, q4s_2, q4s_3, q4s_4, q4s_5, q4s_6, q4s_7, q4s_8, q4s_9,
+                                           q4s_10, q4s_11, q4s_12};
+static const block_fn Q8S[QS_HEIGHT + 1] = {0, q8s_1, q8s_2, q8s_3, q8s_4, q8s_5, q8s_6, q8s_7, q8s_8, q8s_9,
+                                           q8s_10, q8s_11, q8s_12};
 #endif
 static const block_fn Q8[13] = {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8, q8_9, q8_10, q8_11, q8_12};
 
@@ -428,25 +439,97 @@ void smallm_gemm_bf16(const float *x, const uint16_t *w, float *y, int M, int I,
     gemm(BLOCKS_BF16, BLOCK, O, 4, x, w, y, M, I, O, threads);
 }
 
+/* How many rows the reassociated blocks serve at most, QS_SAFE or QS_HEIGHT (then also every M, in blocks of
+   QS_HEIGHT); the plain blocks the rest. Set by smallm_calibrate (or smallm_set_reassociated_rows), QS_SAFE until. */
+#if defined(__AVX512F__)
+static int qs_rows = QS_SAFE;
+#else
+static int qs_rows = 0;
+#endif
+
+static void packed_q(const block_fn *qs, const block_fn *plain, const float *x, const void *wp, float *y, int M, int I,
+                     int O, int threads) {
+    const int blocks = (O + PACK - 1) / PACK;
+#if defined(__AVX512F__)
+    if (M <= qs_rows || qs_rows == QS_HEIGHT) {
+        gemm(qs, QS_HEIGHT, blocks, 1, x, wp, y, M, I, O, threads);
+        return;
+    }
+#else
+    (void)qs;
+#endif
+    gemm(plain, QBLOCK, blocks, 1, x, wp, y, M, I, O, threads);
+}
+
 /* wp: compact.py's q4 / q8 layout; I a multiple of QGROUP (compact.py only makes these forms then) */
 void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads) {
 #if defined(__AVX512F__)
-    if (M <= QS_HEIGHT) {
-        gemm(Q4S, QS_HEIGHT, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
-        return;
-    }
+    packed_q(Q4S, Q4, x, wp, y, M, I, O, threads);
+#else
+    packed_q(Q4, Q4, x, wp, y, M, I, O, threads);
 #endif
-    gemm(Q4, QBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
 }
 
 void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads) {
 #if defined(__AVX512F__)
-    if (M <= QS_HEIGHT) {
-        gemm(Q8S, QS_HEIGHT, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
-        return;
-    }
+    packed_q(Q8S, Q8, x, wp, y, M, I, O, threads);
+#else
+    packed_q(Q8, Q8, x, wp, y, M, I, O, threads);
 #endif
-    gemm(Q8, QBLOCK, (O + PACK - 1) / PACK, 1, x, wp, y, M, I, O, threads);
+}
+
+/* the rows the reassociated blocks serve at most (0 where the CPU has no AVX-512: none) */
+int smallm_reassociated_rows(void) { return qs_rows; }
+
+/* set it (QS_SAFE or QS_HEIGHT; tests force both); returns what it is now */
+int smallm_set_reassociated_rows(int rows) {
+#if defined(__AVX512F__)
+    qs_rows = rows >= QS_HEIGHT ? QS_HEIGHT : QS_SAFE;
+#else
+    (void)rows;
+#endif
+    return qs_rows;
+}
+
+/* Time the reassociated against the plain blocks at 8 and 12 rows on one thread, over a q4 weight [1536, 576] (a
+   SmolLM2 MLP half's shape, ~0.7 MB: in the core's L2, so the blocks' own cost decides, not memory), best of 5 each,
+   interleaved; the reassociated ones serve every row count if they win at both, else only up to QS_SAFE. A few ms,
+   once per process (native.py). Returns the choice. */
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+int smallm_calibrate(void) {
+#if defined(__AVX512F__)
+    const int O = 1536, I = 576, groups = I / QGROUP, blocks = O / PACK, most = 12;
+    const size_t bytes = (size_t)blocks * groups * Q4_GROUP_BYTES;
+    uint8_t *w = malloc(bytes);
+    float *x = malloc(sizeof(float) * most * I), *y = malloc(sizeof(float) * most * O);
+    if (!w || !x || !y) {
+        free(w), free(x), free(y);
+        return qs_rows;
+    }
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)(i * 2654435761u >> 13); /* codes: any */
+    for (size_t g = 0; g < (size_t)blocks * groups; g++) /* scales and offsets: normal numbers (not denormals) */
+        for (int k = 0; k < 2 * PACK; k++) ((float *)(w + g * Q4_GROUP_BYTES))[k] = 0.01f;
+    for (int i = 0; i < most * I; i++) x[i] = (float)(i % 7) - 3.f;
+    int wins = 1;
+    for (int M = 8; M <= most; M += 4) {
+        double best[2] = {1e9, 1e9};
+        for (int rep = 0; rep < 6; rep++)
+            for (int way = 0; way < 2; way++) {
+                const double t = now_s();
+                gemm(way ? Q4 : Q4S, way ? QBLOCK : QS_HEIGHT, blocks, 1, x, w, y, M, I, O, 1);
+                const double dt = now_s() - t;
+                if (rep && dt < best[way]) best[way] = dt; /* the first pass of each warms up */
+            }
+        wins &= best[0] < best[1];
+    }
+    free(w), free(x), free(y);
+    qs_rows = wins ? QS_HEIGHT : QS_SAFE;
+#endif
+    return qs_rows;
 }
 
 /* Drop [p, p + bytes) from every cache level (written back first where dirty): the kernel table times a drafter's
