@@ -210,7 +210,11 @@ def main() -> None:
     streamed = streamed_bytes(base) if dev.type == "cpu" else weight_bytes
     # Where v(n) comes from: the products alone at n rows against their roofline, max(stream the weights once,
     # 2·n·(weights) flops at the compute roof); the rest of T_n is attention, norms, rotary and dispatch.
-    flops = gemm_flops(dev)
+    # The compute roof: PyTorch's large product, or this CPU's FMA throughput where that is higher (MKL need not use
+    # the CPU's widest vectors: on a Zen 5 EPYC 218 GFLOP/s against ~510)
+    gemm_peak = gemm_flops(dev)
+    fma = native.fma_peak(torch.get_num_threads()) if dev.type == "cpu" and native.available() else 0.0
+    flops = max(gemm_peak, fma)
     gemm = gemm_curve(base, ns)
     roof = {n: max(streamed / bandwidth, 2 * n * weight_bytes / 4 / flops) for n in ns}
 
@@ -240,9 +244,12 @@ def main() -> None:
         "streamed_bytes": streamed, "streamed_bound_tok_s": round(bandwidth / streamed, 2),
         "ar_decode_share_of_streamed_bound": round(ours_decode * streamed / bandwidth, 3),
         "ar_decode_share_of_bound": round(ours_decode / bound, 3),
-        "gemm_gflop_s": round(flops / 1e9, 1),
+        "gemm_gflop_s": round(gemm_peak / 1e9, 1), "fma_peak_gflop_s": round(fma / 1e9, 1),
+        "compute_roof_gflop_s": round(flops / 1e9, 1),
+        "reassociated_rows": native.reassociated_rows() if native.available() else None,
         "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
         "gemm_roofline_ms": {n: round(t * 1e3, 2) for n, t in roof.items()},
+        "gemm_roofline_ratio": {n: round(roof[n] / roof[1], 3) for n in ns},
         "rest_ms": {n: round((costs[n] - gemm[n]) * 1e3, 2) for n in ns},
         "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
@@ -342,12 +349,22 @@ def render(r: dict) -> str:
                for name, label in VARIANTS.items() if f"verify_cost_{name}" in r],
              "| GEMM ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_ms"].values()) + " |",
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
+             *(["| GEMM roofline / its n = 1 | " + " | ".join(f"{v:.2f}" for v in r["gemm_roofline_ratio"].values())
+                + " |"] if "gemm_roofline_ratio" in r else []),
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
              f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
              f"n rows each, called one by one from Python. GEMM roofline: max(the weights as held streamed once at the "
-             f"read bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all threads). "
-             f"rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
-             f"those calls from Python).", "",
+             + (f"read bandwidth, 2·n·params flops at {r['compute_roof_gflop_s']:.0f} GFLOP/s: this CPU's float32 FMA "
+                f"throughput on all threads (smallm_fma_peak; a 2048² fp32 product: {r['gemm_gflop_s']:.0f}); its ratio "
+                "to n = 1 is what v(n) would be if every product ran at the roof and nothing else took time. "
+                if r.get("compute_roof_gflop_s") else
+                f"read bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all "
+                "threads). ")
+             + "rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
+             "those calls from Python)."
+             + (f" The compact kernels sum per group of 32 columns first for up to {r['reassociated_rows']} rows "
+                "(12: every row count; smallm_calibrate's choice on this CPU)." if r.get("reassociated_rows") else ""),
+             "",
              *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "
                 f"layers kept, each once per process), {r['cuda_graphs']['record_s']:.2f} s in all, warm-up runs "
                 "included.", ""] if r.get("cuda_graphs") else []),

@@ -94,6 +94,12 @@ def test_which_blocks_serve_more_than_six_rows_is_measured_where_the_library_loa
 
 
 @needs_compiler
+def test_the_cpus_fma_throughput_is_measured_for_the_compute_roof():
+    peak = native.fma_peak(1)  # make bench's compute roof (FLOP/s); its size is the machine's, not asserted here
+    assert 0 < peak < float("inf")
+
+
+@needs_compiler
 def test_the_kernel_table_offers_the_compact_kernel_only_to_weights_with_a_form():
     q4, plain = gguf_like(64, 64, "q4"), torch.randn(64, 64)
     assert COMPACT_KEY + "q4" in _shape_key(q4, compact_ok=True) and COMPACT_KEY not in _shape_key(q4)

@@ -143,6 +143,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
             getattr(lib, name).restype = ctypes.c_int
         lib.smallm_set_reassociated_rows.argtypes = [ctypes.c_int]
         lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
+    if hasattr(lib, "smallm_fma_peak"):
+        lib.smallm_fma_peak.restype = ctypes.c_double
+        lib.smallm_fma_peak.argtypes = [ctypes.c_int]
     if hasattr(lib, "smallm_evict"):  # (an older revision's library lacks it)
         lib.smallm_evict.restype = None
         lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
@@ -195,6 +198,11 @@ def reassociated_rows() -> int:
     measured against the plain ones where the library loaded: 6 or 12, 12 meaning every row count; 0 without
     AVX-512)."""
     return _library().smallm_reassociated_rows()
+
+
+def fma_peak(threads: int) -> float:
+    """This CPU's float32 FMA throughput on `threads` threads, FLOP/s (smallm_fma_peak: ~20 ms)."""
+    return _library().smallm_fma_peak(threads)
 
 
 def evict(t: torch.Tensor) -> None:

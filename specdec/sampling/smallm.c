@@ -532,6 +532,38 @@ int smallm_calibrate(void) {
     return qs_rows;
 }
 
+/* This CPU's float32 FMA throughput on `threads` threads (FLOP/s): the compute roof make bench draws the products
+   against. PyTorch's large product is no measure of it where MKL does not use the CPU's widest vectors (on a Zen 5 EPYC
+   its 2048² sgemm ran at 218 GFLOP/s, this at ~525: 2 cores × 2 FMA pipes × 16 lanes × 2 flops × ~4.1 GHz). 12
+   independent accumulators of the packed kernels' vector width per thread, best of 3, ~20 ms. */
+double smallm_fma_peak(int threads) {
+    double best = 0.0;
+    for (int rep = 0; rep < 3; rep++) {
+        const long iters = 1L << 21;
+        int team = 1;
+        float sink = 0.f;
+        const double t = now_s();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+#ifdef _OPENMP
+            extern int omp_get_num_threads(void);
+#pragma omp single
+            team = omp_get_num_threads();
+#endif
+            pvec a[12];
+            for (int i = 0; i < 12; i++) a[i] = (pvec){0} + 1e-3f * (float)i;
+            const pvec b = (pvec){0} + 0.999f, c = (pvec){0} + 1e-4f;
+            for (long k = 0; k < iters; k++)
+                for (int i = 0; i < 12; i++) a[i] = a[i] * b + c;
+            for (int i = 0; i < 12; i++)
+                for (int l = 0; l < PLANES; l++) sink += a[i][l];
+        }
+        const double dt = now_s() - t, flops = 2.0 * 12 * PLANES * (double)iters * team / dt;
+        if (flops > best && sink == sink) best = flops;
+    }
+    return best;
+}
+
 /* Drop [p, p + bytes) from every cache level (written back first where dirty): the kernel table times a drafter's
    weight as a decode reads it, from memory, after the base's whole step went through the caches in between. Without
    a cache-line flush instruction (not x86) it does nothing, and the weight is timed as it lies. */
