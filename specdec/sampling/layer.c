@@ -212,7 +212,9 @@ static inline fvec lane_sums(const fvec *b) { /* b: the PLANES/2 pair_sums */
    query its softmax's max and sum and the unnormalised Σ p·v (part: [nq] maxima, [nq] sums, [nq, d]).
    Against the per-(head, row) `attend` and the queries-in-lanes `attend_lanes` it replaces (thirty-fifth session, Zen 5
    EPYC family 26 model 2, a layer's attention over 128 + n keys, caches warm, experiments-style one-off): 3.3 / 5.8 /
-   9.1 / 15.8 / 16.1 / 30.8 µs at n = 1 / 2 / 3 / 5 / 9 / 16 before, 2.8 / 4.4 / 6.5 / 9.9 / 17.3 / 29.5 after. */
+   9.1 / 15.8 / 16.1 / 30.8 µs at n = 1 / 2 / 3 / 5 / 9 / 16 before, 2.8 / 4.4 / 6.5 / 9.9 / 17.3 / 29.5 after. In
+   the verify forward, where the keys and values come from memory (ab_native.py --forward, 20 interleaved rounds):
+   1.03 / 1.01 / 1.03 faster at n = 2 / 3 / 5, the same at 1 and 9. */
 #define QB (PLANES == 16 ? 6 : 2) /* queries per pass over the values: QB·d/PLANES accumulators */
 static inline __attribute__((always_inline)) void attend_keys(const float *const *qs, const float *const *ms, int nq,
                                                               const float *K, const float *V, int w0, int w1, int d,
