@@ -313,8 +313,9 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
    faster at 5 / 6 rows again (thirty-fifth session, a one-off driver over the library, interleaved).
    Past 6 rows the totals no longer fit in registers beside the partial sums; the compiler then keeps some in memory,
    touched once a group. On that Zen 5 these blocks up to 12 rows (and in blocks of 12 past that) still beat the plain
-   ones, 1.05 / 1.03 / 1.01 / 1.05 at 8 / 9 / 12 / 16 rows; a CPU with fewer load ports may lose, so which serves more
-   than 6 rows is measured where the library loads (smallm_calibrate). */
+   ones, 1.05 / 1.03 / 1.01 / 1.05 at 8 / 9 / 12 / 16 rows; by a few per cent, and on another CPU the totals' trips to
+   memory may cost more than the decode ops they save, so which serves more than 6 rows is measured where the library
+   loads (smallm_calibrate). */
 #define QS_HEIGHT 12
 #define QS_SAFE 6 /* the rows the reassociated blocks always serve (their totals in registers) */
 #define QS_SPLIT(MB) ((MB) <= 6 ? 2 : 1)
