@@ -56,6 +56,7 @@ class Method:
     lossless: bool
     chain_gamma: int | None = None  # set for chain drafters: the Leviathan check applies
     batch: int = 1
+    peer: bool = False  # an HF peer: takes its turn after ours (see _take_turns)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -147,7 +148,7 @@ def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler:
         if peer not in HF_PEERS:
             raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS)}")
         extra = _assistant(drafters, cfg.hf.get("assisted_tokens")) if peer == "hf_assisted" else hf[peer]
-        methods.append(Method(peer, _hf(base, sampler, extra), True))
+        methods.append(Method(peer, _hf(base, sampler, extra), True, peer=True))
     return methods
 
 
@@ -202,16 +203,22 @@ def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict
                 saved: Callable[[Method], None], after_turn: Callable[[], None] | None = None) -> None:
     """Run every method on every prompt it has not answered yet (runs[name] holds the answered ones, in order),
     taking turns: each method answers its next chunk of prompts before any method answers a later one, the order of
-    the methods rotating from turn to turn. On a noisy machine a slow phase then falls on all methods alike, not on
+    our methods rotating from turn to turn. On a noisy machine a slow phase then falls on all methods alike, not on
     whichever method's block of prompts it hits (one that slowed our AR loop on 4 of 10 prompts made every drafter
-    read ~30 % faster against it). `saved(m)` follows each chunk, `after_turn()` each turn."""
+    read ~30 % faster against it). The HF peers go last in every turn, so that whatever state their long runs leave
+    the machine in falls on each of our methods in turn. Rotated with ours, HF `generate` was followed by our AR loop
+    in nearly every turn, and on a 2-core Zen 5 EPYC make demo's Hydra heads read 1.13-1.16× our AR loop with it in
+    the run (3 runs; v(2) 1.15-1.19) against 1.19-1.23× with it last (2 runs; v(2) 1.06-1.08) and without it (5 runs;
+    v(2) 1.04-1.07): the cause unknown, the bias plain (thirty-fifth session). `saved(m)` follows each chunk,
+    `after_turn()` each turn."""
     pending = [m for m in methods if len(runs[m.name]) < len(items)]
     left = sum(-(-(len(items) - len(runs[m.name])) // m.batch) for m in pending)
     with tqdm(total=left, unit="chunk", desc="methods x prompts", leave=False) as bar:
         turn = 0
         while pending:
-            k = turn % len(pending)
-            for m in pending[k:] + pending[:k]:
+            ours, peers = [m for m in pending if not m.peer], [m for m in pending if m.peer]
+            k = turn % max(len(ours), 1)
+            for m in ours[k:] + ours[:k] + peers:
                 start = len(runs[m.name])
                 runs[m.name].extend(_answer_turn_by_turn(base, m, items[start : start + m.batch]))
                 saved(m)
