@@ -5,8 +5,9 @@
 #          the continuous batch, training (online, from a feature cache, precision auto) and evaluate.py, on the GPU
 #   bench  experiments/bench_ar.py --device cuda: our AR loop vs HF generate, the verify-cost curve, the roofs
 #   demo   make demo's three steps on the GPU: the quick feature cache, the demo's four Hydra heads, HumanEval
-#          evaluated as make demo does (a 10-node dynamic tree with and without n-gram lookup, lookup alone, HF
-#          generate), then the same heads as the tree sized by the verify cost (dynamic_by_cost)
+#          evaluated as make demo does (sampler=demo: a chain of one token with and without n-gram lookup, lookup
+#          alone, HF generate), then the same heads as sampler=demo_tree (a 10-node dynamic tree, where a GPU's verify
+#          of 10 tokens costs about one step)
 #   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 and a dynamic tree of
 #          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op); profile: where that drafter's round
 #          of γ = 4 spends its time on the GPU (experiments/profile_round.py --device cuda); ab_draft: that drafter's
@@ -63,9 +64,9 @@ for s in ${STEPS:-tests bench demo}; do
         logger=csv
       cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=demo_tree 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
+        sampler=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=dynamic_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
+        sampler=demo_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
     drafter)  # a drafter trained elsewhere (the CPU recipes of logs/recipe/), on the GPU's cost model
       step drafter_chain "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler.gamma=4 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/drafter_chain"
