@@ -5,6 +5,8 @@ always went first read slower). A kernel change is measured as a ratio on one ma
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1            # the packed products
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --forward  # the sampler's verify forward
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --compact  # the products from compact forms
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --forward --prefetch 4096 8192  # one library, two
+                                                                   # prefetch distances of its compact kernels
 
 Without --forward: one pass over the base's decode products in call order (each layer's q|k|v, o, gate|up, down, then
 the lm_head), the float32 packed kernel for all (with --compact: each from its exact compact form, compact.py); ms per
@@ -70,6 +72,22 @@ def using(lib, layers=()):
             layer.lib = was
 
 
+@contextlib.contextmanager
+def setting(entry, layers=()):
+    """`entry`: a library, or (library, bytes): that library with its compact kernels' prefetch distance set to bytes
+    for every block height (smallm_set_prefetch), restored after."""
+    lib, ahead = entry if isinstance(entry, tuple) else (entry, None)
+    held = [lib.smallm_prefetch(m) for m in range(1, 13)] if ahead is not None else []
+    if ahead is not None:
+        lib.smallm_set_prefetch(0, ahead)
+    try:
+        with using(lib, layers):
+            yield
+    finally:
+        for m, was in enumerate(held, 1):
+            lib.smallm_set_prefetch(m, was)
+
+
 def alternating(libs: dict, rnd: int) -> list:
     """The (name, library) pairs of round `rnd`: each goes first every other round (one always first read slower)."""
     order = list(libs.items())
@@ -78,7 +96,7 @@ def alternating(libs: dict, rnd: int) -> list:
 
 def forward_ab(base, libs: dict, rows: list[int], rounds: int, prompt: int = 128) -> dict:
     """{(library, n): [ms]} of the sampler's verify forward over n chain tokens after `prompt` tokens, the libraries
-    interleaved."""
+    (or (library, prefetch distance) settings: `setting`) interleaved."""
     with torch.no_grad(), measured_kernels(base):
         layers = {id(l): l for f in lean_layers(base) for l in f.native_rows if l is not None}.values()
         ctx = SamplingContext(base, 1, prompt + max(rows) + 1, lean=True)
@@ -90,7 +108,7 @@ def forward_ab(base, libs: dict, rows: list[int], rounds: int, prompt: int = 128
             for n in rows:
                 tokens = torch.randint(0, base.vocab_size, (1, n))
                 for name, lib in alternating(libs, rnd):
-                    with using(lib, layers):
+                    with setting(lib, layers):
                         ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                         start = time.perf_counter()
                         hidden, _ = ctx.base_forward(tokens)
@@ -113,13 +131,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128,
                     help="with --forward: tokens before the verify (the attention's window; HumanEval's decodes reach "
                          "300-400)")
+    ap.add_argument("--prefetch", type=int, nargs="+",
+                    help="with --forward: the library built now at these prefetch distances (bytes) instead of --rev")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = load_base(device="cpu")
     if args.forward:
         rows, rounds = args.rows or [1, 5, 9], args.rounds or 20
         with tempfile.TemporaryDirectory() as tmp:
-            libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
+            if args.prefetch:  # the first distance is the reference ("now"), the others compared with it
+                libs = {("now" if i == 0 else f"prefetch {b}"): (native._library(), b)
+                        for i, b in enumerate(args.prefetch)}
+            else:
+                libs = {"now": native._library(), args.rev: library_at(args.rev, Path(tmp))}
             times = forward_ab(base, libs, rows, rounds, args.prompt)
         print(f"{cpu_model()}, {args.threads} threads: T_n, one verify forward of n tokens after {args.prompt} "
               f"(measured kernels, native layers, compact weights, lm_head), ms (median of {rounds} interleaved rounds)")
@@ -127,8 +151,10 @@ def main() -> None:
         print("|---|" + "---|" * len(rows))
         med = {k: statistics.median(v) for k, v in times.items()}
         for name in libs:
-            print(f"| {name} | " + " | ".join(f"{med[(name, n)]:.2f}" for n in rows) + " |")
-        print(f"| {args.rev} / now | " + " | ".join(f"{med[(args.rev, n)] / med[('now', n)]:.3f}" for n in rows) + " |")
+            label = f"{name} (prefetch {libs[name][1]})" if name == "now" and args.prefetch else name
+            print(f"| {label} | " + " | ".join(f"{med[(name, n)]:.2f}" for n in rows) + " |")
+        for name in list(libs)[1:]:
+            print(f"| {name} / now | " + " | ".join(f"{med[(name, n)] / med[('now', n)]:.3f}" for n in rows) + " |")
         return
     args.rows, args.rounds = args.rows or [1, 3, 5, 8, 12], args.rounds or 5
     weights = [l.weight.detach() for l in decode_linears(base.model.model)] + [base.lm_head.weight.detach()]

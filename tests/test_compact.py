@@ -94,6 +94,70 @@ def test_which_blocks_serve_more_than_six_rows_is_measured_where_the_library_loa
 
 
 @needs_compiler
+def test_the_prefetch_distance_changes_no_product_and_is_set_per_block_height():
+    heights = native.block_rows()
+    assert heights in (4, 12)  # AVX2's plain blocks, or AVX-512's
+    held = [native.prefetch(r) for r in range(1, 13)]
+    try:
+        w, x = gguf_like(96, 64, "q4"), torch.randn(5, 64)
+        c = compact.form(w)
+        before = compact.gemm(x, c)
+        native.set_prefetch(0, 16384)
+        assert [native.prefetch(r) for r in range(1, 13)] == [16384] * 12
+        native.set_prefetch(3, 2048)
+        assert (native.prefetch(2), native.prefetch(3)) == (16384, 2048)
+        native.set_prefetch(4, 1 << 30)  # clamped to 64 KB
+        assert native.prefetch(4) == 65536
+        assert torch.equal(compact.gemm(x, c), before)  # only where the codes are asked for from: the same sums
+    finally:
+        for r, ahead in enumerate(held, 1):
+            native.set_prefetch(r, ahead)
+
+
+@needs_compiler
+def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and_model(tmp_path, monkeypatch):
+    """tune_prefetch: per block height, the distance whose pass over a base's compact products is fastest, if it beats
+    the compiled default by PREFETCH_MARGIN; cached with the table; skipped for weights that would not stream from
+    memory, and where the library cannot set it; measured_kernels sets what it found in the library."""
+    ws = [gguf_like(64, 64, "q4", seed=s) for s in range(3)]
+    held = [native.prefetch(r) for r in range(1, 13)]
+    best = {1: 8192, 2: 4096, 3: 16384}  # the fastest distance at some heights (the default elsewhere)
+    win = {1: 0.5, 2: 0.5, 3: 0.99}  # by how much: at 3 rows within the margin
+
+    def fake_pass(ops, xs):
+        rows = next(iter(xs.values())).shape[0]
+        return win.get(rows, 1.0) if native.prefetch(rows) == best.get(rows, 4096) else 1.0
+
+    path = tmp_path / "k.json"
+    monkeypatch.setattr(kernels, "STREAM_BYTES", 1)  # (before the table: the table's signature holds it)
+    table = KernelTable(path, rows=(1, 2, 3, 4))
+    table.prepare(ws, compact=True)
+    table.choice[_shape_key(ws[0], compact_ok=True)] = {1: "native_compact", 2: "native_compact", 3: "native_compact",
+                                                        4: "linear"}  # (as a machine might have measured them)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "STREAM_BYTES", 1 << 40)
+        assert table.tune_prefetch(ws, {}) == {}  # weights that fit the caches: nothing streams, nothing measured
+    monkeypatch.setattr(KernelTable, "_pass_time", staticmethod(fake_pass))
+    try:
+        found = table.tune_prefetch(ws, {})
+        assert found == {1: 8192, 2: 4096, 3: 4096}  # 4 rows: no compact product; past 4 the table has no bucket
+        assert [native.prefetch(r) for r in range(1, 13)] == held  # measuring leaves the library as it was
+        monkeypatch.setattr(KernelTable, "_pass_time", staticmethod(lambda *a: pytest.fail("cached: not timed again")))
+        assert KernelTable(path, rows=(1, 2, 3, 4)).tune_prefetch(ws, {}) == found
+        assert table.tune_prefetch(ws, {}, compact_ok=False) == {}  # compact weights off: nothing to tune
+        monkeypatch.setattr(native, "block_rows", lambda: 0)  # a library without the setting: its default stays
+        assert KernelTable(None, rows=(1, 2, 3, 4)).tune_prefetch(ws, {}) == {}
+        monkeypatch.undo()
+        monkeypatch.setattr(KernelTable, "tune_prefetch", lambda self, w, u, c=True: {2: 12288})
+        base = tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
+        with measured_kernels(base, table=KernelTable(None, rows=(1, 2))):
+            assert native.prefetch(2) == 12288
+    finally:
+        for r, ahead in enumerate(held, 1):
+            native.set_prefetch(r, ahead)
+
+
+@needs_compiler
 def test_the_cpus_fma_throughput_is_measured_for_the_compute_roof():
     peak = native.fma_peak(1)  # make bench's compute roof (FLOP/s); its size is the machine's, not asserted here
     assert 0 < peak < float("inf")

@@ -143,6 +143,11 @@ def open_library(path: Path | str) -> ctypes.CDLL:
             getattr(lib, name).restype = ctypes.c_int
         lib.smallm_set_reassociated_rows.argtypes = [ctypes.c_int]
         lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
+    if hasattr(lib, "smallm_set_prefetch"):  # (an older revision's library lacks these)
+        lib.smallm_set_prefetch.restype = lib.smallm_prefetch.restype = lib.smallm_block_rows.restype = ctypes.c_int
+        lib.smallm_set_prefetch.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.smallm_prefetch.argtypes = [ctypes.c_int]
+        lib.smallm_block_rows.argtypes = []
     if hasattr(lib, "smallm_fma_peak"):
         lib.smallm_fma_peak.restype = ctypes.c_double
         lib.smallm_fma_peak.argtypes = [ctypes.c_int]
@@ -198,6 +203,23 @@ def reassociated_rows() -> int:
     measured against the plain ones where the library loaded: 6 or 12, 12 meaning every row count; 0 without
     AVX-512)."""
     return _library().smallm_reassociated_rows()
+
+
+def block_rows() -> int:
+    """The most x rows one pass of the compact kernels takes (their block heights are 1..this; 0: no library, or one
+    whose prefetch distance is fixed)."""
+    lib = _library() if available() else None
+    return lib.smallm_block_rows() if lib is not None and hasattr(lib, "smallm_block_rows") else 0
+
+
+def prefetch(rows: int) -> int:
+    """How far ahead (bytes) the compact kernels' blocks of `rows` x rows ask for their weights' codes."""
+    return _library().smallm_prefetch(rows)
+
+
+def set_prefetch(rows: int, ahead: int) -> None:
+    """Set that distance for blocks of `rows` rows (0: every height); exact either way, only the speed differs."""
+    _library().smallm_set_prefetch(rows, ahead)
 
 
 def fma_peak(threads: int) -> float:

@@ -193,8 +193,15 @@ float32 bytes to stream, paid for with a few vector ops per column, shared by al
 /* Each group's codes are asked for this many bytes ahead (into every cache level: prefetcht0). The hardware prefetcher
    alone left the decode waiting on memory: a pass over SmolLM2's 120 layer products at 1 / 5 / 12 rows took 5.2 / 7.7 /
    12.0 ms without, 3.5 / 5.7 / 10.3 ms with it, 2-core Xeon (family 6 model 167); 2 KB ahead or a prefetch that skips
-   the near caches gained less. A prefetch past the weight's end is harmless (it never faults). */
+   the near caches gained less. A prefetch past the weight's end is harmless (it never faults). How far ahead pays
+   differs by CPU and by rows: on a Zen 5 EPYC (family 26 model 2) 8192 bytes made the verify forward of 2-4 tokens
+   5-7 % faster than 4096 and changed nothing from 6 (thirty-sixth session, experiments/ab_native.py --forward
+   --prefetch), while the Xeon above had taken 4096 over 2048. So the distance is per block height (x rows a pass),
+   measured per machine over a base's products in call order (kernels.KernelTable.tune_prefetch) and set with
+   smallm_set_prefetch; QPREFETCH until then. */
 #define QPREFETCH 4096
+static int qprefetch[13] = {QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH,
+                            QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH};
 typedef uint8_t pvec_u8 __attribute__((vector_size(PLANES)));
 typedef int8_t pvec_s8 __attribute__((vector_size(PLANES)));
 typedef int32_t pvec_i32 __attribute__((vector_size(PLANES * sizeof(int32_t))));
@@ -248,22 +255,33 @@ static inline void store_rows(float *y, const pvec *lo, const pvec *hi, int mb, 
 #define Q4_GROUP_BYTES (2 * PACK * sizeof(float) + QGROUP * PLANES)
 #define Q8_GROUP_BYTES (PACK * sizeof(float) + QGROUP * PACK)
 
-/* group g of packed block b in a q4 / q8 layout of `groups` groups a block, its bytes QPREFETCH ahead asked for */
-static inline const uint8_t *q_group(const void *wp, int b, int g, int groups, size_t group_bytes) {
+/* group g of packed block b in a q4 / q8 layout of `groups` groups a block, its bytes `ahead` bytes ahead asked for */
+static inline const uint8_t *q_group(const void *wp, int b, int g, int groups, size_t group_bytes, int ahead) {
     const uint8_t *grp = (const uint8_t *)wp + ((size_t)b * groups + g) * group_bytes;
-    for (size_t line = 0; line < group_bytes; line += 64) __builtin_prefetch(grp + QPREFETCH + line, 0, 3);
+    for (size_t line = 0; line < group_bytes; line += 64) __builtin_prefetch(grp + ahead + line, 0, 3);
     return grp;
 }
+
+/* the prefetch distance for blocks of `rows` x rows (0: all heights) set to `bytes` (clamped to 0..64 KB); returns
+   the distance now at `rows` (or at 1) */
+int smallm_set_prefetch(int rows, int bytes) {
+    bytes = bytes < 0 ? 0 : bytes > 65536 ? 65536 : bytes;
+    for (int m = 1; m <= 12; m++)
+        if (rows == 0 || rows == m) qprefetch[m] = bytes;
+    return qprefetch[rows >= 1 && rows <= 12 ? rows : 1];
+}
+int smallm_prefetch(int rows) { return qprefetch[rows >= 1 && rows <= 12 ? rows : 1]; }
 
 #define Q_BLOCK(NAME, MB, Q4) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
         const int groups = I / QGROUP; \
         const size_t group_bytes = (Q4) ? Q4_GROUP_BYTES : Q8_GROUP_BYTES; \
+        const int ahead = qprefetch[MB]; \
         for (int b = b0; b < b1; b++) { \
             pvec lo[MB], hi[MB]; \
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes); \
+                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes, ahead); \
                 const pvec d0 = pload((const float *)grp), d1 = pload((const float *)grp + PLANES); \
                 const pvec m0 = (Q4) ? pload((const float *)grp + PACK) : (pvec){0}; \
                 const pvec m1 = (Q4) ? pload((const float *)grp + PACK + PLANES) : (pvec){0}; \
@@ -323,6 +341,7 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
         const int groups = I / QGROUP; \
         const size_t group_bytes = (Q4) ? Q4_GROUP_BYTES : Q8_GROUP_BYTES; \
+        const int ahead = qprefetch[MB]; \
         float sx[(MB) * groups]; /* q4: Σ x over each row's groups */ \
         for (int m = 0; (Q4) && m < (MB); m++) \
             for (int g = 0; g < groups; g++) { \
@@ -337,7 +356,7 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
             pvec lo[MB], hi[MB]; \
             for (int m = 0; m < (MB); m++) lo[m] = hi[m] = (pvec){0}; \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes); \
+                const uint8_t *grp = q_group(wp, b, g, groups, group_bytes, ahead); \
                 const uint8_t *codes = grp + ((Q4) ? 2 : 1) * PACK * sizeof(float); \
                 const float *xg = x + (size_t)g * QGROUP; \
                 pvec plo[QS_SPLIT(MB)][MB], phi[QS_SPLIT(MB)][MB]; \
@@ -476,6 +495,16 @@ void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, in
     packed_q(Q8S, Q8, x, wp, y, M, I, O, threads);
 #else
     packed_q(Q8, Q8, x, wp, y, M, I, O, threads);
+#endif
+}
+
+/* the most x rows one pass of the compact blocks takes (their block heights are 1..this): the prefetch distances
+   above this height are never used */
+int smallm_block_rows(void) {
+#if defined(__AVX512F__)
+    return QS_HEIGHT > QBLOCK ? QS_HEIGHT : QBLOCK;
+#else
+    return QBLOCK;
 #endif
 }
 
