@@ -261,7 +261,10 @@ def main() -> None:
         "ar_decode_share_of_bound": round(ours_decode / bound, 3),
         "gemm_gflop_s": round(gemm_peak / 1e9, 1), "fma_peak_gflop_s": round(fma / 1e9, 1),
         "compute_roof_gflop_s": round(flops / 1e9, 1),
-        "reassociated_rows": native.reassociated_rows() if native.available() else None,
+        "reassociated_rows": native.reassociated_rows() if native.available() and dev.type == "cpu" else None,
+        # how far ahead the compact kernels ask for their codes, per block height (the kernel table's measured choice)
+        "prefetch_bytes": {h: native.prefetch(h) for h in range(1, native.block_rows() + 1)}
+        if dev.type == "cpu" and native.block_rows() else None,
         "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
         "gemm_roofline_ms": {n: round(t * 1e3, 2) for n, t in roof.items()},
         "gemm_roofline_ratio": {n: round(roof[n] / roof[1], 3) for n in ns},
@@ -319,6 +322,17 @@ VARIANTS = {"float32": "compact_weights=false (every weight multiplied from its 
             "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)",
             "cublas": "cuda_kernels=stock (cuBLAS and SDPA throughout, not the measured choice)"}
+
+
+def spans(by_rows: dict) -> list[tuple[int, int, int]]:
+    """{rows: value} (keys ints or, from JSON, strings) -> (first, last, value) over runs of consecutive rows alike."""
+    out: list[list[int]] = []
+    for rows, value in sorted((int(k), v) for k, v in by_rows.items()):
+        if out and out[-1][2] == value and out[-1][1] == rows - 1:
+            out[-1][1] = rows
+        else:
+            out.append([rows, rows, value])
+    return [tuple(x) for x in out]
 
 
 def render(r: dict) -> str:
@@ -381,7 +395,11 @@ def render(r: dict) -> str:
              + "rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
              "those calls from Python)."
              + (f" The compact kernels sum per group of 32 columns first for up to {r['reassociated_rows']} rows "
-                "(12: every row count; smallm_calibrate's choice on this CPU)." if r.get("reassociated_rows") else ""),
+                "(12: every row count; smallm_calibrate's choice on this CPU)." if r.get("reassociated_rows") else "")
+             + (" They ask for each group's codes " + ", ".join(
+                 f"{ahead} bytes ahead at {lo}{'' if lo == hi else f'-{hi}'} row{'' if lo == hi else 's'}"
+                 for lo, hi, ahead in spans(r["prefetch_bytes"])) + " (KernelTable.tune_prefetch's choice on this "
+                "machine)." if r.get("prefetch_bytes") else ""),
              "",
              *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "
                 f"layers kept, each once per process), {r['cuda_graphs']['record_s']:.2f} s in all, warm-up runs "

@@ -20,3 +20,9 @@ def test_divergence_names_the_first_differing_token_and_hfs_logit_gap(tiny):
     assert d["logit_gap"] > 0  # greedy: HF's token is the argmax of its own forward
     # a path that stops early differs where it ends, with no token to compare
     assert diverges(tiny, prompt, hf[:2], hf)["at"] == 2
+
+
+def test_spans_group_consecutive_rows_alike():
+    spans = experiment_script("bench_ar").spans
+    assert spans({"1": 8192, "2": 8192, "3": 4096, "4": 4096, "5": 4096}) == [(1, 2, 8192), (3, 5, 4096)]
+    assert spans({1: 16384, 2: 8192, 4: 8192}) == [(1, 1, 16384), (2, 2, 8192), (4, 4, 8192)]

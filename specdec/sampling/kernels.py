@@ -383,10 +383,10 @@ class KernelTable:
                       compact_ok: bool = True) -> dict[int, int]:
         """{block height: bytes}: how far ahead the compact kernels ask for their codes (smallm.c), per block height,
         where a pass over `weights` (a base's, in call order, each with its chosen kernel: `uniform` as `arbitrate`
-        gave it) is fastest at that height's rows; PREFETCH_BYTES interleaved, best of 3, another than the compiled
-        default only if it wins by PREFETCH_MARGIN. Measured once per machine and model (cached with the table), for
-        weights that stream from memory: {} (the library's default) for smaller ones, or without the library's
-        setting; heights at which no product is a compact one are left out too. The caller sets the result
+        gave it) is fastest at that height's rows; PREFETCH_BYTES interleaved, best of PREFETCH_PASSES, another than
+        the compiled default only if it wins by PREFETCH_MARGIN. Measured once per machine and model (cached with the
+        table), for weights that stream from memory: {} (the library's default) for smaller ones, or without the
+        library's setting; heights at which no product is a compact one are left out too. The caller sets the result
         (measured_kernels)."""
         heights = native.block_rows()
         forms = [compact.form(w) for w in weights] if compact_ok and heights else []
@@ -403,10 +403,10 @@ class KernelTable:
             if not any(op is not None and op[0] in runs for op, _ in ops):
                 continue  # no compact product at these rows: nothing the distance could change
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-            best = {ahead: float("inf") for ahead in PREFETCH_BYTES}
+            best, n = {ahead: float("inf") for ahead in PREFETCH_BYTES}, len(PREFETCH_BYTES)
             try:
                 for p in range(PREFETCH_PASSES):  # interleaved, each distance first in turn: drift hits every one alike
-                    for ahead in PREFETCH_BYTES[p % 3:] + PREFETCH_BYTES[:p % 3]:
+                    for ahead in PREFETCH_BYTES[p % n:] + PREFETCH_BYTES[:p % n]:
                         native.set_prefetch(rows, ahead)
                         best[ahead] = min(best[ahead], self._pass_time(ops, xs))
             finally:
