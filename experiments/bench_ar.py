@@ -398,7 +398,7 @@ def render(r: dict) -> str:
                 "(12: every row count; smallm_calibrate's choice on this CPU)." if r.get("reassociated_rows") else "")
              + (" They ask for each group's codes " + ", ".join(
                  f"{ahead} bytes ahead at {lo}{'' if lo == hi else f'-{hi}'} row{'' if lo == hi else 's'}"
-                 for lo, hi, ahead in spans(r["prefetch_bytes"])) + " (KernelTable.tune_prefetch's choice on this "
+                 for lo, hi, ahead in spans(r["prefetch_bytes"])) + " (native_layer.tune_prefetch's choice on this "
                 "machine)." if r.get("prefetch_bytes") else ""),
              "",
              *([f"CUDA graphs: {r['cuda_graphs']['recorded']} recorded in this run (one per query count and feature "

@@ -115,43 +115,43 @@ def test_the_prefetch_distance_changes_no_product_and_is_set_per_block_height():
 
 
 @needs_compiler
-def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and_model(tmp_path, monkeypatch):
-    """tune_prefetch: per block height, the distance whose pass over a base's compact products is fastest, if it beats
-    the compiled default by PREFETCH_MARGIN; cached with the table; skipped for weights that would not stream from
-    memory, and where the library cannot set it; measured_kernels sets what it found in the library."""
-    ws = [gguf_like(64, 64, "q4", seed=s) for s in range(3)]
+def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and_stack(compact_forced, monkeypatch):
+    """native_layer.tune_prefetch: per block height, the distance at which a pass through a base's compact native
+    stack is fastest, if it beats the compiled default by PREFETCH_MARGIN; skipped for a stack that would not stream
+    from memory and where the library cannot set it; attach (through measured_kernels) measures it once per machine and
+    stack, caches it with the table and sets it in the library."""
+    base = quantised("q4")
     held = [native.prefetch(r) for r in range(1, 13)]
     best = {1: 8192, 2: 4096, 3: 16384}  # the fastest distance at some heights (the default elsewhere)
     win = {1: 0.5, 2: 0.5, 3: 0.99}  # by how much: at 3 rows within the margin
+    timed = []
 
-    def fake_pass(ops, xs):
-        rows = next(iter(xs.values())).shape[0]
+    def fake_time(layers, hidden, *inputs):
+        rows = hidden.shape[1]
+        timed.append(rows)
         return win.get(rows, 1.0) if native.prefetch(rows) == best.get(rows, 4096) else 1.0
 
-    path = tmp_path / "k.json"
-    monkeypatch.setattr(kernels, "STREAM_BYTES", 1)  # (before the table: the table's signature holds it)
-    table = KernelTable(path, rows=(1, 2, 3, 4))
-    table.prepare(ws, compact=True)
-    table.choice[_shape_key(ws[0], compact_ok=True)] = {1: "native_compact", 2: "native_compact", 3: "native_compact",
-                                                        4: "linear"}  # (as a machine might have measured them)
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "STREAM_BYTES", 1 << 40)
-        assert table.tune_prefetch(ws, {}) == {}  # weights that fit the caches: nothing streams, nothing measured
-    monkeypatch.setattr(KernelTable, "_pass_time", staticmethod(fake_pass))
+    table = KernelTable(None, rows=(1, 2))
+    layers = list(native_layer.stack(lean_layers(base.model), table, lambda f: "compact").values())
+    assert {l.form for l in layers} == {"compact"}
+    monkeypatch.setattr(native_layer, "_stack_time", fake_time)
     try:
-        found = table.tune_prefetch(ws, {})
-        assert found == {1: 8192, 2: 4096, 3: 4096}  # 4 rows: no compact product; past 4 the table has no bucket
+        assert native_layer.tune_prefetch(layers) == {}  # a tiny stack fits the caches: nothing streams, nothing timed
+        assert not timed
+        monkeypatch.setattr(native_layer, "STREAM_BYTES", 1)
+        found = native_layer.tune_prefetch(layers)
+        assert found == {r: 8192 if r == 1 else 4096 for r in range(1, native.block_rows() + 1)}
         assert [native.prefetch(r) for r in range(1, 13)] == held  # measuring leaves the library as it was
-        monkeypatch.setattr(KernelTable, "_pass_time", staticmethod(lambda *a: pytest.fail("cached: not timed again")))
-        assert KernelTable(path, rows=(1, 2, 3, 4)).tune_prefetch(ws, {}) == found
-        assert table.tune_prefetch(ws, {}, compact_ok=False) == {}  # compact weights off: nothing to tune
-        monkeypatch.setattr(native, "block_rows", lambda: 0)  # a library without the setting: its default stays
-        assert KernelTable(None, rows=(1, 2, 3, 4)).tune_prefetch(ws, {}) == {}
-        monkeypatch.undo()
-        monkeypatch.setattr(KernelTable, "tune_prefetch", lambda self, w, u, c=True: {2: 12288})
-        base = tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
-        with measured_kernels(base, table=KernelTable(None, rows=(1, 2))):
-            assert native.prefetch(2) == 12288
+        with monkeypatch.context() as m:
+            m.setattr(native, "block_rows", lambda: 0)  # a library without the setting: its default stays
+            assert native_layer.tune_prefetch(layers) == {}
+        with measured_kernels(base, table=table):  # attach: measured, cached with the table, set
+            assert native.prefetch(1) == 8192 and native.prefetch(2) == 4096
+        assert list(table.prefetch.values()) == [found]
+        timed.clear()
+        with measured_kernels(base, table=table):
+            assert native.prefetch(1) == 8192
+        assert not timed  # cached: not timed again
     finally:
         for r, ahead in enumerate(held, 1):
             native.set_prefetch(r, ahead)

@@ -68,12 +68,6 @@ WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
 # one is at least COLD_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
 STREAM_BYTES, COLD_BYTES = 32 << 20, 1 << 20
 WHOLE_MARGIN = 1.05
-# The compact kernels' prefetch distances tried per block height (smallm.c; the first is its compiled default), over a
-# pass of a base's products that stream from memory (at least STREAM_BYTES of compact weights): another distance is
-# taken only if it wins by PREFETCH_MARGIN (KernelTable.tune_prefetch)
-PREFETCH_BYTES = (4096, 8192, 16384)
-PREFETCH_MARGIN = 1.02
-PREFETCH_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -214,7 +208,8 @@ class KernelTable:
         self.uniform: dict[str, dict[int, str]] = {}  # a model's shapes in call order (hash) -> {rows: kernel for all}
         # a stack of native layers (hash, see native_layer.attach) -> {rows: {"lean": s, "native": s}} for one pass
         self.layers: dict[str, dict[int, dict[str, float]]] = {}
-        self.prefetch: dict[str, dict[int, int]] = {}  # a model's shapes (hash) -> {block height: prefetch bytes}
+        # a stack of compact native layers (hash, see native_layer.attach) -> {block height: prefetch bytes}
+        self.prefetch: dict[str, dict[int, int]] = {}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         self.check_s = 0.0  # time spent re-checking stored choices in this process (reported too)
         # (id(weight), kernel) -> (weakref to the weight, its version, packed operand): packed once, not per call
@@ -378,46 +373,6 @@ class KernelTable:
         self.save()
         return found
 
-    @torch.no_grad()
-    def tune_prefetch(self, weights: list[torch.Tensor], uniform: dict[int, str],
-                      compact_ok: bool = True) -> dict[int, int]:
-        """{block height: bytes}: how far ahead the compact kernels ask for their codes (smallm.c), per block height,
-        where a pass over `weights` (a base's, in call order, each with its chosen kernel: `uniform` as `arbitrate`
-        gave it) is fastest at that height's rows; PREFETCH_BYTES interleaved, best of PREFETCH_PASSES, another than
-        the compiled default only if it wins by PREFETCH_MARGIN. Measured once per machine and model (cached with the
-        table), for weights that stream from memory: {} (the library's default) for smaller ones, or without the
-        library's setting; heights at which no product is a compact one are left out too. The caller sets the result
-        (measured_kernels)."""
-        heights = native.block_rows()
-        forms = [compact.form(w) for w in weights] if compact_ok and heights else []
-        if sum(f.nbytes for f in forms if f is not None) < STREAM_BYTES:
-            return {}
-        model = hashlib.sha1(" ".join(_shape_key(w, compact_ok=True) for w in weights).encode()).hexdigest()[:16]
-        if model in self.prefetch:
-            return self.prefetch[model]
-        t0, found = time.perf_counter(), {}
-        plans = [self.plan(w, uniform, compact=True) for w in weights]
-        runs = {c.run for c in self.compact.values()}
-        for rows in range(1, heights + 1):
-            ops = [(p[rows] if rows < len(p) else None, w) for p, w in zip(plans, weights)]
-            if not any(op is not None and op[0] in runs for op, _ in ops):
-                continue  # no compact product at these rows: nothing the distance could change
-            xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-            best, n = {ahead: float("inf") for ahead in PREFETCH_BYTES}, len(PREFETCH_BYTES)
-            try:
-                for p in range(PREFETCH_PASSES):  # interleaved, each distance first in turn: drift hits every one alike
-                    for ahead in PREFETCH_BYTES[p % n:] + PREFETCH_BYTES[:p % n]:
-                        native.set_prefetch(rows, ahead)
-                        best[ahead] = min(best[ahead], self._pass_time(ops, xs))
-            finally:
-                native.set_prefetch(rows, PREFETCH_BYTES[0])
-            winner = min(best, key=best.get)
-            found[rows] = winner if best[winner] * PREFETCH_MARGIN < best[PREFETCH_BYTES[0]] else PREFETCH_BYTES[0]
-        self.prefetch[model] = found
-        self.measure_s += time.perf_counter() - t0
-        self.save()
-        return found
-
     @staticmethod
     def _pass_time(ops: list[tuple[tuple[Kernel, torch.Tensor] | None, torch.Tensor]],
                    xs: dict[int, torch.Tensor]) -> float:
@@ -507,9 +462,9 @@ def _tensors(operand: Any) -> list[torch.Tensor]:
 
 def _signature(candidates: dict[str, Candidate], rows: tuple[int, ...] = ROWS) -> str:
     """The candidates' names, the row buckets, how they are timed, the prefetch distances tried and the native kernel's
-    source, hashed."""
+    source, hashed (a change to any measures the table anew)."""
     text = " ".join(sorted(candidates)) + f" rows {rows} streamed over {STREAM_BYTES} bytes, evicted from " + (
-        f"{COLD_BYTES} ({LARGE_WEIGHTS} weights past {LARGE_ROWS} rows), prefetch {PREFETCH_BYTES} ") + (
+        f"{COLD_BYTES} ({LARGE_WEIGHTS} weights past {LARGE_ROWS} rows), prefetch {native_layer.PREFETCH_BYTES} ") + (
         native.SOURCE.read_text() if native.SOURCE.exists() else "")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -563,10 +518,6 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     for ms, reduced in groups:
         uniform = table.arbitrate([m.weight for m in ms], bf16=reduced, compact=compact, quant=quant) if ms else {}
         chosen.update({id(m): (m, uniform, reduced) for m in ms if id(m) not in chosen})
-        # a base's compact products: their prefetch distance per block height, measured (the library's, process-wide)
-        for rows, ahead in (table.tune_prefetch([m.weight for m in ms], uniform, compact) if ms and not reduced
-                            else {}).items():
-            native.set_prefetch(rows, ahead)
     patched = []
     for lin, uniform, reduced in chosen.values():
         plan = table.plan(lin.weight, uniform, bf16=reduced, compact=compact, quant=quant)

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows run the lean layer
 PROMPT = 128  # the cached window the measurement attends over (a short prompt, as make bench's)
+# The compact kernels' prefetch distances tried per block height (smallm.c; the first is its compiled default), over a
+# pass through a base's stack of compact native layers: another is taken only if it wins by PREFETCH_MARGIN
+# (tune_prefetch). Timed through the stack in one call, as a decode runs it (the layers' attention and norms between
+# the products give the prefetches time to run ahead), not product by product from Python.
+PREFETCH_BYTES = (4096, 8192, 16384)
+PREFETCH_MARGIN, PREFETCH_PASSES = 1.02, 5
+STREAM_BYTES = 32 << 20  # a stack whose compact weights hold fewer fits a large last-level cache: nothing to tune
 
 
 class _Layer(ctypes.Structure):
@@ -300,19 +307,10 @@ def measure(ways: dict[str, list[NativeLayer]], reps: int = 3,
     as the lean layers of the first way's (with whatever kernels are patched in at the time), interleaved, best of
     `reps`."""
     first = next(iter(ways.values()))
-    w = first[0].fast.qkv.weight
     g = torch.Generator().manual_seed(0)
     found = {}
     for rows in counts:
-        width = PROMPT + rows
-        hidden = torch.randn(1, rows, w.shape[1], generator=g) * 0.1
-        angle = torch.randn(1, rows, first[0].fast.head_dim // 2, generator=g).repeat(1, 1, 2)
-        rope = lean_rope(angle.cos(), angle.sin())
-        allowed = torch.ones(rows, width, dtype=torch.bool).tril(PROMPT)
-        mask = None if rows == 1 else torch.zeros(1, 1, rows, width).masked_fill_(
-            ~allowed, torch.finfo(torch.float32).min)
-        cache = SlotCache(width)
-        cache.write_slots, cache.write_start, cache.width = torch.arange(PROMPT, width)[None], PROMPT, width
+        hidden, rope, mask, cache = _pass_inputs(first, rows, g)
         best = {way: float("inf") for way in ("lean", *ways)}
         for rep in range(reps + 1):  # the first pass of each is a warm-up, not kept
             for way in best:
@@ -326,6 +324,54 @@ def measure(ways: dict[str, list[NativeLayer]], reps: int = 3,
                 if rep:
                     best[way] = min(best[way], time.perf_counter() - t)
         found[rows] = best
+    return found
+
+
+def _pass_inputs(layers: list[NativeLayer], rows: int, g: torch.Generator):
+    """A pass's inputs over `rows` new tokens after PROMPT cached ones: hidden [1, rows, H], rope, mask, cache."""
+    width = PROMPT + rows
+    hidden = torch.randn(1, rows, layers[0].fast.qkv.weight.shape[1], generator=g) * 0.1
+    angle = torch.randn(1, rows, layers[0].fast.head_dim // 2, generator=g).repeat(1, 1, 2)
+    allowed = torch.ones(rows, width, dtype=torch.bool).tril(PROMPT)
+    mask = None if rows == 1 else torch.zeros(1, 1, rows, width).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    cache = SlotCache(width)
+    cache.write_slots, cache.write_start, cache.width = torch.arange(PROMPT, width)[None], PROMPT, width
+    return hidden, lean_rope(angle.cos(), angle.sin()), mask, cache
+
+
+def _stack_time(layers: list[NativeLayer], *inputs) -> float | None:
+    """Seconds of one pass through the stack in one call (None where layer.c refuses it)."""
+    t = time.perf_counter()
+    return None if _run_stack(layers, *inputs) is None else time.perf_counter() - t
+
+
+def tune_prefetch(layers: list[NativeLayer]) -> dict[int, int]:
+    """{block height: bytes}: per block height of the compact kernels (native.block_rows), the prefetch distance of
+    PREFETCH_BYTES at which a pass through `layers` (a base's stack, in one call) over that many new tokens is fastest,
+    interleaved, best of PREFETCH_PASSES; the compiled default unless another wins by PREFETCH_MARGIN. {} where the
+    library cannot set it or the stack's compact weights would not stream from memory. Leaves the library as it was."""
+    held = sum(p.nbytes for l in layers for p in l.packed if isinstance(p, Compact))
+    heights = native.block_rows()
+    if not heights or held < STREAM_BYTES:
+        return {}
+    g, found, n = torch.Generator().manual_seed(0), {}, len(PREFETCH_BYTES)
+    for rows in range(1, heights + 1):
+        hidden, rope, mask, cache = _pass_inputs(layers, rows, g)
+        best = {ahead: float("inf") for ahead in PREFETCH_BYTES}
+        was = native.prefetch(rows)
+        try:
+            for p in range(PREFETCH_PASSES + 1):  # interleaved, each distance first in turn; the first, a warm-up
+                for ahead in PREFETCH_BYTES[p % n:] + PREFETCH_BYTES[:p % n]:
+                    native.set_prefetch(rows, ahead)
+                    dt = _stack_time(layers, hidden, rope, mask, cache)
+                    if dt is None:
+                        return {}  # layer.c refuses the stack: nothing to tune
+                    if p:
+                        best[ahead] = min(best[ahead], dt)
+        finally:
+            native.set_prefetch(rows, was)
+        winner = min(best, key=best.get)
+        found[rows] = winner if best[winner] * PREFETCH_MARGIN < best[PREFETCH_BYTES[0]] else PREFETCH_BYTES[0]
     return found
 
 
@@ -384,6 +430,15 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
         t = times[min(r for r in ROWS if r >= n)]
         return min(t, key=t.get)
 
+    if "compact" in stacks and "compact" in {fastest(n) for n in range(1, native.block_rows() + 1)}:
+        # the base's compact products: how far ahead they ask for their weights, per block height (process-wide)
+        if key not in table.prefetch:
+            t0 = time.perf_counter()
+            table.prefetch[key] = tune_prefetch(stacks["compact"])
+            table.measure_s += time.perf_counter() - t0
+            table.save()
+        for rows, ahead in table.prefetch[key].items():
+            native.set_prefetch(rows, ahead)
     picks = [fastest(n) for n in range(1, max(ROWS) + 1)]
     attached = []
     for f in fasts:

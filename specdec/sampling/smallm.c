@@ -197,7 +197,7 @@ float32 bytes to stream, paid for with a few vector ops per column, shared by al
    differs by CPU and by rows: on a Zen 5 EPYC (family 26 model 2) 8192 bytes made the verify forward of 2-4 tokens
    5-7 % faster than 4096 and changed nothing from 6 (thirty-sixth session, experiments/ab_native.py --forward
    --prefetch), while the Xeon above had taken 4096 over 2048. So the distance is per block height (x rows a pass),
-   measured per machine over a base's products in call order (kernels.KernelTable.tune_prefetch) and set with
+   measured per machine through a base's stack of native layers (native_layer.tune_prefetch) and set with
    smallm_set_prefetch; QPREFETCH until then. */
 #define QPREFETCH 4096
 static int qprefetch[13] = {QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH,
