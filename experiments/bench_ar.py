@@ -262,7 +262,7 @@ def main() -> None:
         "gemm_gflop_s": round(gemm_peak / 1e9, 1), "fma_peak_gflop_s": round(fma / 1e9, 1),
         "compute_roof_gflop_s": round(flops / 1e9, 1),
         "reassociated_rows": native.reassociated_rows() if native.available() and dev.type == "cpu" else None,
-        # how far ahead the compact kernels ask for their codes, per block height (the kernel table's measured choice)
+        # how far ahead the compact kernels ask for their codes, per block height (native_layer.tune_prefetch's choice)
         "prefetch_bytes": {h: native.prefetch(h) for h in range(1, native.block_rows() + 1)}
         if dev.type == "cpu" and native.block_rows() else None,
         "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
