@@ -7,7 +7,7 @@
 #   demo   make demo's three steps on the GPU: the quick feature cache, the demo's four Hydra heads, HumanEval
 #          evaluated as make demo does (sampler=demo: a chain of one token with and without n-gram lookup, lookup
 #          alone, HF generate), then the same heads as sampler=demo_tree (a 10-node dynamic tree, where a GPU's verify
-#          of 10 tokens costs about one step)
+#          of 10 tokens costs about one step), and where the heads' round of γ = 1 spends its time (profile_round.py)
 #   drafter a trained drafter (DRAFTER=<its dir>, e.g. a recipe's) on HumanEval: chain γ = 4 and a dynamic tree of
 #          depth 6; drafter_eager: the chain with cuda_graphs=false (op by op); profile: where that drafter's round
 #          of γ = 4 spends its time on the GPU (experiments/profile_round.py --device cuda); ab_draft: that drafter's
@@ -66,7 +66,11 @@ for s in ${STEPS:-tests bench demo}; do
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=demo_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree" ;;
+        sampler=demo_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree"
+      # where the demo's round goes beyond its verify and draft (the thirty-sixth session's H200 run: o = 0.67 of a
+      # step, against 0.10-0.15 on a 2-core CPU)
+      step demo_profile "$py" experiments/profile_round.py "$work/train/drafter" --device cuda --gamma 1 --prompts 3 \
+        --new 96 --top 25 ;;
     drafter)  # a drafter trained elsewhere (the CPU recipes of logs/recipe/), on the GPU's cost model
       step drafter_chain "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler.gamma=4 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/drafter_chain"
