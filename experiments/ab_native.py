@@ -77,15 +77,10 @@ def setting(entry, layers=()):
     """`entry`: a library, or (library, bytes): that library with its compact kernels' prefetch distance set to bytes
     for every block height (smallm_set_prefetch), restored after."""
     lib, ahead = entry if isinstance(entry, tuple) else (entry, None)
-    held = [lib.smallm_prefetch(m) for m in range(1, 13)] if ahead is not None else []
-    if ahead is not None:
-        lib.smallm_set_prefetch(0, ahead)
-    try:
-        with using(lib, layers):
-            yield
-    finally:
-        for m, was in enumerate(held, 1):
-            lib.smallm_set_prefetch(m, was)
+    with native.prefetch_kept(lib) if ahead is not None else contextlib.nullcontext(), using(lib, layers):
+        if ahead is not None:
+            lib.smallm_set_prefetch(0, ahead)
+        yield
 
 
 def alternating(libs: dict, rnd: int) -> list:

@@ -98,7 +98,7 @@ def test_the_prefetch_distance_changes_no_product_and_is_set_per_block_height():
     heights = native.block_rows()
     assert heights in (4, 12)  # AVX2's plain blocks, or AVX-512's
     held = [native.prefetch(r) for r in range(1, 13)]
-    try:
+    with native.prefetch_kept():
         w, x = gguf_like(96, 64, "q4"), torch.randn(5, 64)
         c = compact.form(w)
         before = compact.gemm(x, c)
@@ -109,9 +109,7 @@ def test_the_prefetch_distance_changes_no_product_and_is_set_per_block_height():
         native.set_prefetch(4, 1 << 30)  # clamped to 64 KB
         assert native.prefetch(4) == 65536
         assert torch.equal(compact.gemm(x, c), before)  # only where the codes are asked for from: the same sums
-    finally:
-        for r, ahead in enumerate(held, 1):
-            native.set_prefetch(r, ahead)
+    assert [native.prefetch(r) for r in range(1, 13)] == held  # prefetch_kept restored every height
 
 
 @needs_compiler
@@ -135,7 +133,7 @@ def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and
     layers = list(native_layer.stack(lean_layers(base.model), table, lambda f: "compact").values())
     assert {l.form for l in layers} == {"compact"}
     monkeypatch.setattr(native_layer, "_stack_time", fake_time)
-    try:
+    with native.prefetch_kept():
         assert native_layer.tune_prefetch(layers) == {}  # a tiny stack fits the caches: nothing streams, nothing timed
         assert not timed
         monkeypatch.setattr(native_layer, "STREAM_BYTES", 1)
@@ -152,9 +150,6 @@ def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and
         with measured_kernels(base, table=table):
             assert native.prefetch(1) == 8192
         assert not timed  # cached: not timed again
-    finally:
-        for r, ahead in enumerate(held, 1):
-            native.set_prefetch(r, ahead)
 
 
 @needs_compiler

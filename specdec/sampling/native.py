@@ -14,6 +14,7 @@ and instruction-set flags: -march=native code from another CPU could stop this o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import mmap
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -220,6 +221,19 @@ def prefetch(rows: int) -> int:
 def set_prefetch(rows: int, ahead: int) -> None:
     """Set that distance for blocks of `rows` rows (0: every height); exact either way, only the speed differs."""
     _library().smallm_set_prefetch(rows, ahead)
+
+
+@contextlib.contextmanager
+def prefetch_kept(lib: ctypes.CDLL | None = None) -> Iterator[None]:
+    """Every block height's prefetch distance (smallm.c keeps one for heights 1-12) restored on leaving the block, in
+    `lib` (default: this process's library)."""
+    lib = lib or _library()
+    held = [lib.smallm_prefetch(rows) for rows in range(1, 13)]
+    try:
+        yield
+    finally:
+        for rows, ahead in enumerate(held, 1):
+            lib.smallm_set_prefetch(rows, ahead)
 
 
 def fma_peak(threads: int) -> float:

@@ -358,8 +358,7 @@ def tune_prefetch(layers: list[NativeLayer]) -> dict[int, int]:
     for rows in range(1, heights + 1):
         hidden, rope, mask, cache = _pass_inputs(layers, rows, g)
         best = {ahead: float("inf") for ahead in PREFETCH_BYTES}
-        was = native.prefetch(rows)
-        try:
+        with native.prefetch_kept():
             for p in range(PREFETCH_PASSES + 1):  # interleaved, each distance first in turn; the first, a warm-up
                 for ahead in PREFETCH_BYTES[p % n:] + PREFETCH_BYTES[:p % n]:
                     native.set_prefetch(rows, ahead)
@@ -368,8 +367,6 @@ def tune_prefetch(layers: list[NativeLayer]) -> dict[int, int]:
                         return {}  # layer.c refuses the stack: nothing to tune
                     if p:
                         best[ahead] = min(best[ahead], dt)
-        finally:
-            native.set_prefetch(rows, was)
         winner = min(best, key=best.get)
         found[rows] = winner if best[winner] * PREFETCH_MARGIN < best[PREFETCH_BYTES[0]] else PREFETCH_BYTES[0]
     return found
