@@ -389,7 +389,7 @@ def render(r: dict) -> str:
              + (f"read bandwidth, 2·n·params flops at {r['compute_roof_gflop_s']:.0f} GFLOP/s: this CPU's float32 FMA "
                 f"throughput on all threads (smallm_fma_peak; a 2048² fp32 product: {r['gemm_gflop_s']:.0f}); its ratio "
                 "to n = 1 is what v(n) would be if every product ran at the roof and nothing else took time. "
-                if r.get("compute_roof_gflop_s") else
+                if r.get("fma_peak_gflop_s") else  # (a GPU: its large product's rate)
                 f"read bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all "
                 "threads). ")
              + "rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
