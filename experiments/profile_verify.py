@@ -202,14 +202,17 @@ def main() -> None:
         report["forms"]["measured"] = row("measured       ", times, args.ns, diff)
         if table is not None:
             report["measured"] = {"measure_s": round(table.measure_s, 1), "choice": table.choice,
-                                  "attention": table.attention}
+                                  "attention": table.attention, "rope": table.rope}
             print(f"  (measured in {table.measure_s:.1f} s: " + "; ".join(
                 f"{s} " + ",".join(f"{n}:{k.removeprefix('triton_')}" for n, k in c.items())
-                for s, c in table.choice.items()) + ")")
+                for s, c in (table.choice | table.attention | {f"rope {g}": c for g, c in table.rope.items()}).items())
+                + ")")
             for n in args.kernels:
                 per, what = kernels(base, n)
                 report.setdefault("kernels_measured_us", {})[n] = per
                 print(f"  measured forms, n = {n} ({what}): {sum(per.values()):.0f} µs of kernels per forward")
+                for name, us in list(per.items())[:12]:
+                    print(f"  {us:8.1f} µs  {name[:110]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_verify.json").write_text(json.dumps(report, indent=1))

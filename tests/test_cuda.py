@@ -88,11 +88,12 @@ def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, row
     assert all(d.graph is not None for d in drafts)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(gamma=4)])
-def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, tmp_path):
+@pytest.mark.parametrize("kw, attention", [(dict(), "math"), (dict(gamma=4), "math"), (dict(), "triton_w64"),
+                                           (dict(gamma=4), "triton_w128")])
+def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, attention, tmp_path):
     """The table measured on this GPU (Triton's configurations offered where it imports), then every product forced
-    through a Triton kernel and every attention through matmul + softmax: the tokens of PyTorch's own kernels, through
-    the recorded graphs."""
+    through a Triton kernel and every attention through matmul + softmax or cuda_layer's one kernel (with its rotary
+    and K/V write): the tokens of PyTorch's own kernels, through the recorded graphs."""
     base = tiny_base(device="cuda")
     drafter = Prophet(base).to(CUDA).eval() if kw else None
     if drafter is not None:
@@ -106,8 +107,11 @@ def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, tmp_path):
         assert all("triton_o16_k64" in t for c in table.timings.values() for t in c.values())
         for i, shape in enumerate(table.choice):  # both kinds of kernel, split-K in each
             table.choice[shape] = {r: ("triton_o16_k64_s2", "rows_o8_k64_s4")[i % 2] for r in table.rows}
+    if attention != "math" and not cuda_kernels.available():
+        pytest.skip("triton is not installed")
     for g in table.attention:
-        table.attention[g] = {r: "math" for r in table.rows}
+        table.attention[g] = {r: attention for r in table.rows}
+        table.rope[g] = {r: "torch" if attention == "math" else "triton" for r in table.rows}
     key = str(base.lm_head.weight.device)
     cuda_kernels._TABLES[key] = table  # what generate's cuda_kernels=measured uses
     try:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT
 
-from specdec.sampling import cuda_kernels, graphs
+from specdec.sampling import cuda_kernels, cuda_layer, graphs
 from specdec.sampling.cuda_kernels import CudaTable, math_attention
 from specdec.sampling.lean import lean_layers
 
@@ -56,11 +56,12 @@ def test_measured_forms_decode_as_pytorch_does(tmp_path):
     out = interpreted(f"""
         import torch
         from specdec.base import tiny_base
-        from specdec.sampling import cuda_kernels
+        from specdec.sampling import cuda_kernels, cuda_layer
         from specdec.sampling.cuda_kernels import CONFIGS, CudaTable, measured
         from specdec.sampling.decode import SamplerConfig, _generate
 
         cuda_kernels.CONFIGS = {{k: cuda_kernels.CONFIGS[k] for k in ("triton_o16_k64_s2", "triton_o32_k64")}}  # brief
+        cuda_layer.BLOCK_W, cuda_kernels.ATTENTION_WIDTH = {{"triton_w64": 64}}, 64  # (interpreted: ~1 s, not ~45)
         base = tiny_base()
         table = CudaTable(torch.device("cpu"), path={str(tmp_path / "t.json")!r}, rows=(1, 5))
         cfg = SamplerConfig(max_new_tokens=6, eos_token_id=[])
@@ -87,12 +88,13 @@ def test_measured_patches_and_restores_linears_and_attention(tiny, tmp_path):
     with measured_tables(tiny, table) as t:
         assert t is table and cuda_kernels.active() is not None
         assert all(len(f.attention_rows) == 3 for f in fast)  # one form (or SDPA's None) per query count 0..2
+        assert all(f.rope_rows == [None] * 3 for f in fast)  # without Triton: the PyTorch ops at every count
         assert set(table.candidates()) == {"linear"}  # without Triton: PyTorch's product only, so nothing patched
         assert not any("forward" in lin.__dict__ for lin in (f.qkv for f in fast))
-    assert all(f.attention_rows == [] for f in fast) and cuda_kernels.active() is None
+    assert all(f.attention_rows == [] and f.rope_rows == [] for f in fast) and cuda_kernels.active() is None
     # measured once, then read back from the cache file (same machine, same candidates)
     again = CudaTable(torch.device("cpu"), path=tmp_path / "t.json", rows=(1, 2), triton=False)
-    assert again.choice == table.choice and again.attention == table.attention
+    assert again.choice == table.choice and again.attention == table.attention and again.rope == table.rope
 
 
 def measured_tables(tiny, table):
@@ -119,6 +121,107 @@ def test_a_wrong_candidate_is_left_out(tiny, monkeypatch):
     monkeypatch.setattr(cuda_kernels, "small_m_linear", lambda x, w, config: F.linear(x, w) * 1.01)
     table = CudaTable(torch.device("cpu"), path=None, rows=(2,), triton=True)
     assert set(table._time_products([tiny.model.model.layers[0].mlp.up_proj.weight], 2)) == {"linear"}
+
+
+@needs_triton
+def test_one_kernel_attention_and_rope_write_compute_what_pytorch_does():
+    """cuda_layer's kernels (interpreted) on ragged shapes: the attention to float32 rounding, with and without a
+    mask, over a window of a longer buffer, its output [B, h, n, d] a view of [B, n, h, d]; the rotary and K/V write
+    bitwise the lean forward's PyTorch ops, at scattered slots."""
+    out = interpreted("""
+        import torch
+        from specdec.sampling import cuda_layer
+        from specdec.sampling.cuda_kernels import math_attention
+        g = torch.Generator().manual_seed(0)
+        worst, exact = 0.0, True
+        for b, h, kv, n, d, w in [(1, 9, 3, 5, 64, 300), (2, 4, 2, 16, 16, 70), (1, 6, 6, 1, 24, 40)]:
+            q = torch.randn(b, h, n, d, generator=g)
+            k, v = (torch.randn(b, kv, w + 20, d, generator=g)[:, :, :w] for _ in range(2))
+            mask = torch.zeros(b, 1, n, w).masked_fill_(torch.rand(b, 1, n, w, generator=g) > 0.5, -3.4e38)
+            mask[..., 0] = 0  # every query sees a key
+            for m in (mask, None):
+                for form in cuda_layer.BLOCK_W:
+                    ref, got = math_attention(q, k, v, m, 0.125), cuda_layer.attention(q, k, v, m, 0.125, form)
+                    assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
+                    worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+            qkv = torch.randn(b, n, (h + 2 * kv) * d, generator=g)
+            angle = torch.randn(b, 1, n, d, generator=g)
+            slots = torch.stack([torch.randperm(w, generator=g)[:n] for _ in range(b)])  # [B, n]
+            keys, values = (torch.randn(b, kv, w, d, generator=g) for _ in range(2))
+            stores = [[keys.clone(), values.clone()] for _ in range(2)]
+            q1 = cuda_layer.rope_write_torch(qkv, angle.cos(), angle.sin(), slots, *stores[0], h)
+            q2 = cuda_layer.rope_write(qkv, angle.cos(), angle.sin(), slots, *stores[1], h)
+            exact &= torch.equal(q1, q2) and all(map(torch.equal, stores[0], stores[1])) and q2.is_contiguous()
+        print(worst, exact)
+    """)
+    worst, exact = out.split()
+    assert float(worst) < 1e-5 and exact == "True"
+
+
+@needs_triton
+def test_recorded_forward_with_the_one_kernel_forms_is_the_pytorch_one():
+    """The static forward a CUDA graph records (run eagerly on the CPU, Triton interpreted) with cuda_layer's attention
+    and rotary + K/V write forced at every query count: a verify of 5 tokens and the step after it give the hidden
+    states and keys of PyTorch's forms to float32 rounding, and both kernels ran in every layer."""
+    out = interpreted("""
+        import torch
+        from specdec.base import tiny_base
+        from specdec.sampling import cuda_kernels, cuda_layer, graphs
+        from specdec.sampling.cache import SlotCache
+        from specdec.sampling.lean import lean_layers
+
+        calls = {"attention": 0, "rope_write": 0}
+        for name in calls:
+            def counted(*a, _f=getattr(cuda_layer, name), _n=name, **k):
+                calls[_n] += 1
+                return _f(*a, **k)
+            setattr(cuda_layer, name, counted)
+        base = tiny_base(hidden_size=64)  # head_dim 16
+        fast = lean_layers(base.model)
+        table = cuda_kernels.CudaTable(torch.device("cpu"), path=None, rows=(1, 5), triton=False)
+        with cuda_kernels.measured(base.model, table=table):  # (products: F.linear only)
+            pass
+        table.triton = True
+        for g in table.attention:
+            table.attention[g] = {r: "triton_w64" for r in table.rows}
+            table.rope[g] = {r: "triton" for r in table.rows}
+
+        def run():
+            pool = graphs.GraphPool(base, "base", 1, 32)
+            pool.adopt(SlotCache(32), fast)  # the buffers in place, as a decode's first eager forward leaves them
+            x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+            verify, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
+                                     torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
+            step, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
+                                   torch.ones(1, 1, dtype=torch.bool), embed=True)
+            return verify, step, pool.cache.layers[-1].keys.clone()
+
+        stock = run()
+        with cuda_kernels.measured(base.model, table=table):
+            ours = run()
+        print(max(float((s - o).abs().max() / s.abs().max()) for s, o in zip(stock, ours)), calls["attention"],
+              calls["rope_write"])
+    """)
+    worst, attention, rope = out.split()
+    layers = 2
+    assert float(worst) < 1e-5 and int(attention) == int(rope) == 2 * layers
+
+
+def test_the_one_kernel_forms_are_left_out_where_they_fail_or_differ(tiny, monkeypatch):
+    """The fallback: without Triton's interpreter the kernels cannot run on CPU tensors (as where Triton fails to
+    build), and a rotary that writes other numbers is refused: the PyTorch forms stay at every query count."""
+    table = CudaTable(torch.device("cpu"), path=None, rows=(1, 3), triton=True)
+    layer = lean_layers(tiny.model)[0]
+    assert set(table._measure_attention(layer).values()) <= {"sdpa", "math"}
+    assert table._measure_rope(layer) == {1: "torch", 3: "torch"}
+
+    def off_by_one_ulp(qkv, cos, sin, slots, keys, values, heads):
+        q = cuda_layer.rope_write_torch(qkv, cos, sin, slots, keys, values, heads)
+        return torch.nextafter(q, torch.full_like(q, float("inf")))
+
+    monkeypatch.setattr(cuda_layer, "rope_write", off_by_one_ulp)
+    assert table._measure_rope(layer) == {1: "torch", 3: "torch"}
+    assert CudaTable(torch.device("cpu"), path=None, rows=(1,), triton=False)._measure_rope(layer) == {}
 
 
 def test_math_attention_is_sdpa_with_grouped_heads():

@@ -13,9 +13,9 @@ everything else the same).
 
 Nothing is assumed: on first use on a GPU, each weight shape's products are timed per row count, cuBLAS (F.linear)
 against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
-replayed (as the sampler runs them), and the attention's two forms per query count over a layer's geometry the same
-way. The fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton
-is missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
+replayed (as the sampler runs them), and the attention's forms per query count over a layer's geometry the same
+way (with Triton also cuda_layer's one-kernel attention, and its rotary + K/V write against the PyTorch ops). The
+fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
 stay: the fallback is PyTorch's own.
 
 On the H200 (twenty-eighth session, experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products against the
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.sampling import cuda_layer
 from specdec.sampling.kernels import per_count, store
 from specdec.sampling.lean import decode_linears, lean_layers
 
@@ -189,9 +190,9 @@ def machine_key(device: torch.device) -> str:
 
 
 def _signature() -> str:
-    """The candidates and this file's source, hashed: a table measured before either changed is measured again."""
-    return hashlib.sha1((" ".join(f"{k}={v}" for k, v in CONFIGS.items()) + Path(__file__).read_text()).encode()
-                        ).hexdigest()[:16]
+    """The candidates and the kernels' source, hashed: a table measured before either changed is measured again."""
+    source = Path(__file__).read_text() + Path(cuda_layer.__file__).read_text()
+    return hashlib.sha1((" ".join(f"{k}={v}" for k, v in CONFIGS.items()) + source).encode()).hexdigest()[:16]
 
 
 class CudaTable:
@@ -209,6 +210,7 @@ class CudaTable:
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {rows: candidate}
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> candidate -> seconds
         self.attention: dict[str, dict[int, str]] = {}  # "heads H, kv K, d D:dtype" -> {queries: form}
+        self.rope: dict[str, dict[int, str]] = {}  # the same geometries -> {queries: "torch" or "triton"}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
@@ -216,6 +218,7 @@ class CudaTable:
                 self.choice = {s: {int(r): k for r, k in c.items()} for s, c in stored["choice"].items()}
                 self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored["timings"].items()}
                 self.attention = {g: {int(n): f for n, f in c.items()} for g, c in stored["attention"].items()}
+                self.rope = {g: {int(n): f for n, f in c.items()} for g, c in stored.get("rope", {}).items()}
 
     def candidates(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         found = {"linear": _linear}
@@ -223,9 +226,18 @@ class CudaTable:
             found.update({name: (lambda x, w, c=name: small_m_linear(x, w, c)) for name in CONFIGS})
         return found
 
+    def attention_forms(self) -> dict[str, Callable]:
+        """Attention forms (q, k, v, mask, scale) -> [B, h, n, d]: SDPA, matmul + softmax, and with Triton the one-kernel
+        forms of cuda_layer (one per key block size)."""
+        forms = dict(ATTENTIONS)
+        if self.triton:
+            forms.update({name: (lambda q, k, v, mask, scale, f=name: cuda_layer.attention(q, k, v, mask, scale, f))
+                          for name in cuda_layer.BLOCK_W})
+        return forms
+
     def save(self) -> None:
         store(self.path, self.key, {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
-                                    "timings": self.timings, "attention": self.attention})
+                                    "timings": self.timings, "attention": self.attention, "rope": self.rope})
 
     @torch.no_grad()
     def prepare(self, weights: list[torch.Tensor], layers: list) -> None:
@@ -235,7 +247,7 @@ class CudaTable:
             by_shape.setdefault(_shape_key(w), []).append(w)
         geometries = {_geometry(f): f for f in layers}
         missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
-        new_geometries = {g: f for g, f in geometries.items() if g not in self.attention}
+        new_geometries = {g: f for g, f in geometries.items() if g not in self.attention or g not in self.rope}
         if not missing and not new_geometries:
             return
         t0 = time.perf_counter()
@@ -244,6 +256,7 @@ class CudaTable:
             self.choice[shape] = {rows: min(t, key=t.get) for rows, t in self.timings[shape].items()}
         for geometry, f in new_geometries.items():
             self.attention[geometry] = self._measure_attention(f)
+            self.rope[geometry] = self._measure_rope(f)
         self.measure_s += time.perf_counter() - t0
         self.save()
 
@@ -274,12 +287,47 @@ class CudaTable:
             mask = torch.zeros(b, 1, n, ATTENTION_WIDTH, device=dev, dtype=dtype)
             mask[..., ATTENTION_WIDTH // 2:] = torch.finfo(dtype).min
             reference = _sdpa(q, k, v, mask, layer.scaling)
-            usable = {name: fn for name, fn in ATTENTIONS.items()
-                      if torch.allclose(fn(q, k, v, mask, layer.scaling), reference, rtol=0,
-                                        atol=TOLERANCE * float(reference.abs().max()))}
+            usable = {}
+            for name, fn in self.attention_forms().items():
+                try:  # one that fails to build here, or computes something else, is left out
+                    if torch.allclose(fn(q, k, v, mask, layer.scaling), reference, rtol=0,
+                                      atol=TOLERANCE * float(reference.abs().max())):
+                        usable[name] = fn
+                except Exception:  # noqa: BLE001
+                    continue
             # a forward runs one per layer: 30 in a row, as the pass of products does
             passes = {name: (lambda fn=fn: [fn(q, k, v, mask, layer.scaling) for _ in range(30)])
                       for name, fn in usable.items()}
+            times = _best_of(passes, self.device)
+            choice[n] = min(times, key=times.get)
+        return choice
+
+    def _measure_rope(self, layer) -> dict[int, str]:
+        """{queries: "torch" or "triton"} for a layer's geometry: its rotary and K/V write as the lean forward's PyTorch
+        ops or cuda_layer's one kernel, which is offered only where it writes bitwise what they write."""
+        if not self.triton:
+            return {}
+        choice = {}
+        dev, dtype = self.device, layer.qkv.weight.dtype
+        d, heads, kv = layer.head_dim, layer.heads, layer.kv_heads
+        for n in self.rows:
+            qkv = torch.randn(1, n, (heads + 2 * kv) * d, device=dev, dtype=dtype)
+            angle = torch.randn(1, 1, n, d, device=dev, dtype=dtype)
+            cos, sin = angle.cos(), angle.sin()
+            slots = torch.arange(n, device=dev)[None] + ATTENTION_WIDTH // 2
+            stores = {name: [torch.zeros(1, kv, ATTENTION_WIDTH, d, device=dev, dtype=dtype) for _ in range(2)]
+                      for name in ("torch", "triton")}
+            forms = {"torch": cuda_layer.rope_write_torch, "triton": cuda_layer.rope_write}
+            written = {}
+            for name, fn in list(forms.items()):
+                try:
+                    written[name] = [fn(qkv, cos, sin, slots, *stores[name], heads), *stores[name]]
+                except Exception:  # noqa: BLE001 — fails to build here: the PyTorch ops
+                    forms.pop(name)
+            if "triton" in forms and not all(map(torch.equal, written["torch"], written["triton"])):
+                forms.pop("triton")
+            passes = {name: (lambda fn=fn, bufs=stores[name]: [fn(qkv, cos, sin, slots, *bufs, heads) for _ in range(30)])
+                      for name, fn in forms.items()}
             times = _best_of(passes, self.device)
             choice[n] = min(times, key=times.get)
         return choice
@@ -291,9 +339,20 @@ class CudaTable:
         return [None if name == "linear" else name for name in names]
 
     def attention_plan(self, layer) -> list[Callable | None]:
-        """Attention form per query count 0..max(rows) for a lean layer; None where SDPA was fastest."""
+        """Attention form per query count 0..max(rows) for a lean layer; None where SDPA was fastest. A Triton form
+        runs only where cuda_layer.launchable (inside graph recordings: launched from Python, SDPA)."""
+        known = self.attention_forms()
+
+        def gated(fn: Callable) -> Callable:
+            return lambda q, k, v, mask, scale: (fn if cuda_layer.launchable(q) else _sdpa)(q, k, v, mask, scale)
+
         forms = per_count(self.attention.get(_geometry(layer), {}), max(self.rows), "sdpa")
-        return [None if form == "sdpa" else ATTENTIONS[form] for form in forms]
+        return [None if form == "sdpa" else known[form] if form in ATTENTIONS else gated(known[form]) for form in forms]
+
+    def rope_plan(self, layer) -> list[Callable | None]:
+        """Per query count 0..max(rows): cuda_layer.fused_rope_write where it was measured faster, else None."""
+        forms = per_count(self.rope.get(_geometry(layer), {}), max(self.rows), "torch")
+        return [None if form == "torch" else cuda_layer.fused_rope_write for form in forms]
 
 
 def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, float]:
@@ -387,8 +446,8 @@ def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[Cu
         patched.append(lin)
     attended = []
     for f in layers:
-        if not f.attention_rows:
-            f.attention_rows = table.attention_plan(f)
+        if not f.attention_rows and not f.rope_rows:
+            f.attention_rows, f.rope_rows = table.attention_plan(f), table.rope_plan(f)
             attended.append(f)
     _ACTIVE.append(f"{table.key} {table.signature}")
     try:
@@ -398,7 +457,7 @@ def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[Cu
         for lin in patched:
             del lin.forward
         for f in attended:
-            f.attention_rows = []
+            f.attention_rows, f.rope_rows = [], []
 
 
 def _forward(lin: nn.Linear, plan: list[str | None]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -79,6 +79,9 @@ class LeanLayer(nn.Module):
         # the attention form for n queries, attention_rows[n](q, k, v, mask, scale), where cuda_kernels measured one
         # faster than SDPA (None, or past the list: SDPA)
         self.attention_rows: list = []
+        # the rotary and cache write for n queries in one kernel, rope_rows[n](qkv, rope, cache, layer_idx, heads) ->
+        # (q, k, v) or None, where cuda_kernels measured it faster (None, or past the list: the PyTorch ops)
+        self.rope_rows: list = []
 
     @property
     def native(self):
@@ -110,12 +113,17 @@ class LeanLayer(nn.Module):
         norm1, norm2, o_proj, down_proj, act = self._parts
         b, n, _ = hidden.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(norm1(hidden)).view(b, n, heads + 2 * kv, d).transpose(1, 2)
-        qk, v = qkv.split([heads + kv, kv], dim=1)  # [B, heads + kv_heads, n, d], [B, kv_heads, n, d]
-        cos, sin = rope
-        # q and k rotated together: x·cos + rotate_half(x)·sin with rotate_half(x) = roll(x, d/2) and the sign in sin
-        q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)
-        k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
+        qkv = self.qkv(norm1(hidden))  # [B, n, (heads + 2·kv_heads)·d]
+        write = self.rope_rows[n] if n < len(self.rope_rows) else None
+        fused = write(qkv, rope, cache, self.layer_idx, heads) if write is not None else None
+        if fused is not None:
+            q, k, v = fused
+        else:
+            qk, v = qkv.view(b, n, heads + 2 * kv, d).transpose(1, 2).split([heads + kv, kv], dim=1)
+            cos, sin = rope
+            # q and k rotated together: x·cos + rotate_half(x)·sin, rotate_half(x) = roll(x, d/2), the sign in sin
+            q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)  # [B, heads or kv_heads, n, d]
+            k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
         attend = self.attention_rows[n] if n < len(self.attention_rows) else None
         if attend is not None:
             o = attend(q, k, v, mask, self.scaling)  # [B, heads, n, d]
