@@ -6,18 +6,21 @@ file on a lent GPU, then the real base."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import CONFIGS, compose_train
+from conftest import CONFIGS, ROOT, compose_train
 from sampling_stubs import Oracle, Table, micro_base
 from specdec.base import Base, tiny_base
 from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
-from specdec.sampling import cuda_kernels, draft_graph, graphs
+from specdec.sampling import cuda_kernels, cuda_layer, draft_graph, graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
 from test_sampling_decode import (NEW, TREE, assert_family_lossless, cfg, drafter_configs,  # noqa: F401
@@ -138,8 +141,36 @@ def test_measured_products_run_in_graph_recordings_only(base):
         with torch.cuda.graph(graph):
             recorded = lin(x)
         graph.replay()
+        with cuda_layer.warming():  # the eager runs before a recording launch what it will record
+            warmed = lin(x)
     assert torch.equal(eager, torch.nn.functional.linear(x, lin.weight))
-    assert torch.equal(recorded, triton)
+    assert torch.equal(recorded, triton) and torch.equal(warmed, triton)
+
+
+def test_a_table_from_the_disk_cache_decodes_in_a_fresh_process(prompts, tmp_path):
+    """A process that reads the measured table from the disk cache (no kernel compiled or loaded in it yet) records
+    its graphs with Triton's products, attention and rotary + K/V write, and decodes PyTorch's tokens. (Before the
+    warm-up runs launched them, the first load of a Triton module happened inside a recording and invalidated it.)"""
+    if not cuda_kernels.available():
+        pytest.skip("triton is not installed")
+    base = tiny_base(device="cuda")
+    table = cuda_kernels.CudaTable(CUDA, path=tmp_path / "kernels_cuda.json", rows=(1, 2, 5))
+    with cuda_kernels.measured(base.model, table=table):
+        pass
+    for shape in table.choice:
+        table.choice[shape] = {r: "rows_o8_k64_s4" for r in table.rows}
+    for g in table.attention:
+        table.attention[g] = {r: "triton_split64" for r in table.rows}
+        table.rope[g] = {r: "triton" for r in table.rows}
+    table.save()
+    code = (f"import torch; from specdec.base import tiny_base; from specdec.sampling.decode import generate; "
+            f"from test_sampling_decode import cfg; "
+            f"print(generate(tiny_base(device='cuda'), {prompts!r}, None, cfg()).tokens.tolist())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SPECDEC_CACHE": str(tmp_path),
+                               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert eval(done.stdout.strip().splitlines()[-1]) == reference(base, prompts)
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=2), dict(tree="static", paths=[[0, 0], [1, 0], [2]])])

@@ -61,7 +61,7 @@ def test_measured_forms_decode_as_pytorch_does(tmp_path):
         from specdec.sampling.decode import SamplerConfig, _generate
 
         cuda_kernels.CONFIGS = {{k: cuda_kernels.CONFIGS[k] for k in ("triton_o16_k64_s2", "triton_o32_k64")}}  # brief
-        cuda_layer.BLOCK_W, cuda_kernels.ATTENTION_WIDTH = {{"triton_w64": 64}}, 64  # (interpreted: ~1 s, not ~45)
+        cuda_layer.FORMS, cuda_kernels.ATTENTION_WIDTH = {{"triton_split64": (64, True)}}, 64  # (interpreted: ~1 s, not ~45)
         base = tiny_base()
         table = CudaTable(torch.device("cpu"), path={str(tmp_path / "t.json")!r}, rows=(1, 5))
         cfg = SamplerConfig(max_new_tokens=6, eos_token_id=[])
@@ -140,7 +140,7 @@ def test_one_kernel_attention_and_rope_write_compute_what_pytorch_does():
             mask = torch.zeros(b, 1, n, w).masked_fill_(torch.rand(b, 1, n, w, generator=g) > 0.5, -3.4e38)
             mask[..., 0] = 0  # every query sees a key
             for m in (mask, None):
-                for form in cuda_layer.BLOCK_W:
+                for form in cuda_layer.FORMS:
                     ref, got = math_attention(q, k, v, m, 0.125), cuda_layer.attention(q, k, v, m, 0.125, form)
                     assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
                     worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))

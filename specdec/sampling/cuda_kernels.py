@@ -232,7 +232,7 @@ class CudaTable:
         forms = dict(ATTENTIONS)
         if self.triton:
             forms.update({name: (lambda q, k, v, mask, scale, f=name: cuda_layer.attention(q, k, v, mask, scale, f))
-                          for name in cuda_layer.BLOCK_W})
+                          for name in cuda_layer.FORMS})
         return forms
 
     def save(self) -> None:
@@ -468,7 +468,7 @@ def _forward(lin: nn.Linear, plan: list[str | None]) -> Callable[[torch.Tensor],
         name = plan[rows] if rows < limit else None
         # timed as graph replays, used in them: launched from Python a Triton kernel loses to cuBLAS (module docstring);
         # on the CPU, Triton's interpreter in tests
-        if name is None or x.dtype != torch.float32 or (x.is_cuda and not torch.cuda.is_current_stream_capturing()):
+        if name is None or x.dtype != torch.float32 or not cuda_layer.launchable(x):
             return F.linear(x, weight, bias)
         y = small_m_linear(x.reshape(rows, x.shape[-1]), weight, name).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias

@@ -20,12 +20,18 @@ from Python one by one, a Triton kernel's launch costs more than it saves."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from specdec.sampling.cache import SlotCache
 
 MAX_QUERIES = 16  # one block of query rows per program (tl.dot's smallest tile side)
-BLOCK_W = {"triton_w64": 64, "triton_w128": 128}  # attention candidates: keys per step of the online softmax
+# attention candidates: name -> (keys per step of the online softmax, split: one program per block of keys and a second
+# kernel joining their partial sums, as in flash-decoding; else one program walks all the keys)
+FORMS = {"triton_w64": (64, False), "triton_w128": (128, False), "triton_split64": (64, True),
+              "triton_split128": (128, True)}
 
 _KERNELS: dict[str, object] = {}
 
@@ -36,10 +42,11 @@ def _kernels() -> dict[str, object]:
         import triton.language as tl
 
         @triton.jit(do_not_specialize=["n", "w"])
-        def attention(q, k, v, mask, out, n, w, scale, sq_b, sq_h, sq_n, sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b, sm_n,
-                      so_b, so_n, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr):
-            # program (b, head): the n queries of one query head over the w keys of its KV head
+        def attention(q, k, v, mask, out, part, n, w, scale, sq_b, sq_h, sq_n, sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b,
+                      sm_n, so_b, so_n, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr):
+            # program (b, head, s): the n queries of one query head over the w keys of its KV head (SPLIT: over its
+            # s-th block of BLOCK_W keys, the partial max, sum and weighted values written to part for `join`)
             b = tl.program_id(0)
             head = tl.program_id(1)
             kv = head // GROUP
@@ -52,7 +59,11 @@ def _kernels() -> dict[str, object]:
             top = tl.full([BLOCK_N], float("-inf"), tl.float32)  # running max of each query's scores
             total = tl.zeros([BLOCK_N], tl.float32)  # running sum of exp(score - top)
             acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-            for start in range(0, w, BLOCK_W):
+            first, last = 0, w
+            if SPLIT:
+                first = tl.program_id(2) * BLOCK_W
+                last = first + BLOCK_W
+            for start in range(first, last, BLOCK_W):
                 cols = start + tl.arange(0, BLOCK_W)
                 inside = cols < w
                 ks = tl.load(k + b * sk_b + kv * sk_h + cols[:, None] * sk_w + dims[None, :],
@@ -70,8 +81,37 @@ def _kernels() -> dict[str, object]:
                 acc = acc * keep[:, None] + tl.dot(p, vs, input_precision="ieee")
                 total = total * keep + tl.sum(p, 1)
                 top = new_top
+            if SPLIT:  # part [B, heads, S, BLOCK_N, BLOCK_D + 2]: the weighted values, then the max and the sum
+                cell = part + ((b * tl.num_programs(1) + head) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_N * (
+                    BLOCK_D + 2) + rows * (BLOCK_D + 2)
+                tl.store(cell[:, None] + dims[None, :], acc)
+                tl.store(cell + BLOCK_D, top)
+                tl.store(cell + BLOCK_D + 1, total)
+            else:
+                tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
+                         mask=live[:, None] & inside_d[None, :])
+
+        @triton.jit(do_not_specialize=["n", "splits"])
+        def join(part, out, n, splits, so_b, so_n, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+            # program (b, head): the split attention's partial sums over its key blocks, rescaled to their common max
+            b = tl.program_id(0)
+            head = tl.program_id(1)
+            rows = tl.arange(0, BLOCK_N)
+            dims = tl.arange(0, BLOCK_D)
+            top = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_N], tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            for s in range(0, splits):
+                cell = part + ((b * tl.num_programs(1) + head) * splits + s) * BLOCK_N * (BLOCK_D + 2) + rows * (
+                    BLOCK_D + 2)
+                its_top = tl.load(cell + BLOCK_D)
+                new_top = tl.maximum(top, its_top)
+                keep, its_keep = tl.exp(top - new_top), tl.exp(its_top - new_top)
+                acc = acc * keep[:, None] + tl.load(cell[:, None] + dims[None, :]) * its_keep[:, None]
+                total = total * keep + tl.load(cell + BLOCK_D + 1) * its_keep
+                top = new_top
             tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
-                     mask=live[:, None] & inside_d[None, :])
+                     mask=(rows < n)[:, None] & (dims < D)[None, :])
 
         @triton.jit(do_not_specialize=["n"])
         def rope_write(qkv, cos, sin, slots, q_out, keys, values, n, sc_b, sc_n, ss_b, ss_n, sl_b, sk_b, sk_h, sk_w,
@@ -98,14 +138,29 @@ def _kernels() -> dict[str, object]:
             else:
                 tl.store(values + b * sk_b + (head - HEADS - KV) * sk_h + slot * sk_w + dims, x, mask=inside)
 
-        _KERNELS.update(attention=attention, rope_write=rope_write)
+        _KERNELS.update(attention=attention, join=join, rope_write=rope_write)
     return _KERNELS
 
 
+_WARMING: list[bool] = []  # inside `warming()`
+
+
+@contextmanager
+def warming() -> Iterator[None]:
+    """The eager runs before a graph recording: they launch the Triton kernels the recording will, so each is compiled
+    and its module loaded there, not while the stream captures (where loading a module invalidates the capture: seen
+    on an H200 in a process whose kernel table came from the disk cache)."""
+    _WARMING.append(True)
+    try:
+        yield
+    finally:
+        _WARMING.pop()
+
+
 def launchable(t: torch.Tensor) -> bool:
-    """Whether a decode runs these kernels on t's device now: inside graph recordings on a GPU, and on CPU tensors
-    (Triton's interpreter, in tests)."""
-    return not t.is_cuda or torch.cuda.is_current_stream_capturing()
+    """Whether a decode runs the Triton kernels (these and cuda_kernels' products) on t's device now: inside graph
+    recordings and the runs warming them up on a GPU, and on CPU tensors (Triton's interpreter, in tests)."""
+    return not t.is_cuda or bool(_WARMING) or torch.cuda.is_current_stream_capturing()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -117,13 +172,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if n > MAX_QUERIES or h % kv or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (q, k, v)) or (
             mask is not None and (mask.shape[1] != 1 or mask.stride(-1) != 1)):
         raise ValueError("attention takes up to 16 float32 queries, grouped KV heads and rows of d contiguous")
+    block_w, split = FORMS[form]
+    block_d = max(16, 1 << (d - 1).bit_length())
+    splits = -(-w // block_w) if split else 1
     out = torch.empty(b, n, h, d, dtype=q.dtype, device=q.device)
+    part = q.new_empty(b, h, splits, MAX_QUERIES, block_d + 2) if split else out  # (unread unless split)
     m = mask.expand(b, 1, n, w) if mask is not None else q  # (any tensor: not read without a mask)
-    _kernels()["attention"][(b, h)](
-        q, k, v, m, out, n, w, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(-2), out.stride(0), out.stride(1),
-        GROUP=h // kv, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_N=MAX_QUERIES, BLOCK_W=BLOCK_W[form],
-        HAS_MASK=mask is not None, num_warps=4)
+    kernels = _kernels()
+    kernels["attention"][(b, h, splits)](
+        q, k, v, m, out, part, n, w, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(-2), out.stride(0), out.stride(1),
+        GROUP=h // kv, D=d, BLOCK_D=block_d, BLOCK_N=MAX_QUERIES, BLOCK_W=block_w, HAS_MASK=mask is not None,
+        SPLIT=split, num_warps=4)
+    if split:
+        kernels["join"][(b, h)](part, out, n, splits, out.stride(0), out.stride(1), D=d, BLOCK_D=block_d,
+                                BLOCK_N=MAX_QUERIES, num_warps=4)
     return out.transpose(1, 2)
 
 

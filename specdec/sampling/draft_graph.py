@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from specdec.drafters.drafter import Drafter, NodeTable
-from specdec.sampling import cuda_kernels
+from specdec.sampling import cuda_kernels, cuda_layer
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.graphs import WARMUP
 from specdec.sampling.trees import Round, draft_static
@@ -109,7 +109,7 @@ class DraftGraph:
         dev = self.root.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), cuda_layer.warming():
             for _ in range(WARMUP):
                 self._run(ctx)
         torch.cuda.current_stream(dev).wait_stream(side)

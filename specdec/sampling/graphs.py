@@ -30,7 +30,7 @@ from typing import Collection, Sequence
 import torch
 from torch import nn
 
-from specdec.sampling import cuda_kernels
+from specdec.sampling import cuda_kernels, cuda_layer
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer
 from specdec.sampling.rotary import MARGIN, RotaryTable
@@ -185,7 +185,7 @@ class _Graph:
             return
         side = torch.cuda.Stream(self.pool.device)
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), cuda_layer.warming():
             for _ in range(WARMUP):
                 self._run()
         torch.cuda.current_stream(self.pool.device).wait_stream(side)
