@@ -163,12 +163,12 @@ def test_a_table_from_the_disk_cache_decodes_in_a_fresh_process(prompts, tmp_pat
         table.attention[g] = {r: "triton_split64" for r in table.rows}
         table.rope[g] = {r: "triton" for r in table.rows}
     table.save()
-    code = (f"import torch; from specdec.base import tiny_base; from specdec.sampling.decode import generate; "
-            f"from test_sampling_decode import cfg; "
-            f"print(generate(tiny_base(device='cuda'), {prompts!r}, None, cfg()).tokens.tolist())")
+    code = ("from specdec.base import tiny_base; from specdec.sampling.decode import SamplerConfig, generate; "
+            f"print(generate(tiny_base(device='cuda'), {prompts!r}, None, "
+            f"SamplerConfig(max_new_tokens={NEW}, eos_token_id=[])).tokens.tolist())")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # (keep where deps were put)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SPECDEC_CACHE": str(tmp_path),
-                               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+                          env={**os.environ, "SPECDEC_CACHE": str(tmp_path), "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr[-3000:]
     assert eval(done.stdout.strip().splitlines()[-1]) == reference(base, prompts)
 

@@ -95,6 +95,7 @@ def test_measured_patches_and_restores_linears_and_attention(tiny, tmp_path):
     # measured once, then read back from the cache file (same machine, same candidates)
     again = CudaTable(torch.device("cpu"), path=tmp_path / "t.json", rows=(1, 2), triton=False)
     assert again.choice == table.choice and again.attention == table.attention and again.rope == table.rope
+    assert again.eager == table.eager and set(next(iter(table.eager.values())).values()) <= {"sdpa", "math"}
 
 
 def measured_tables(tiny, table):
@@ -212,7 +213,8 @@ def test_the_one_kernel_forms_are_left_out_where_they_fail_or_differ(tiny, monke
     build), and a rotary that writes other numbers is refused: the PyTorch forms stay at every query count."""
     table = CudaTable(torch.device("cpu"), path=None, rows=(1, 3), triton=True)
     layer = lean_layers(tiny.model)[0]
-    assert set(table._measure_attention(layer).values()) <= {"sdpa", "math"}
+    choice, eager = table._measure_attention(layer)
+    assert set(choice.values()) <= {"sdpa", "math"} and set(eager.values()) <= {"sdpa", "math"}
     assert table._measure_rope(layer) == {1: "torch", 3: "torch"}
 
     def off_by_one_ulp(qkv, cos, sin, slots, keys, values, heads):
@@ -222,6 +224,22 @@ def test_the_one_kernel_forms_are_left_out_where_they_fail_or_differ(tiny, monke
     monkeypatch.setattr(cuda_layer, "rope_write", off_by_one_ulp)
     assert table._measure_rope(layer) == {1: "torch", 3: "torch"}
     assert CudaTable(torch.device("cpu"), path=None, rows=(1,), triton=False)._measure_rope(layer) == {}
+
+
+def test_a_triton_attention_launched_op_by_op_falls_back_to_the_faster_pytorch_form(tiny, monkeypatch):
+    """Outside a graph recording the plan's Triton form runs the PyTorch form measured faster at that count (an op by
+    op decode, a dynamic tree's drafting), not always SDPA."""
+    table = CudaTable(torch.device("cpu"), path=None, rows=(1, 4), triton=True)
+    layer = lean_layers(tiny.model)[0]
+    g = cuda_kernels._geometry(layer)
+    table.attention[g], table.eager[g] = {1: "triton_split64", 4: "triton_w64"}, {1: "math", 4: "sdpa"}
+    monkeypatch.setattr(cuda_layer, "launchable", lambda t: False)  # as on a GPU, launched from Python
+    plan = table.attention_plan(layer)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen), torch.randn(1, 2, 7, 8)
+    assert torch.equal(plan[1](q, k, v, None, 0.3), math_attention(q, k, v, None, 0.3))
+    assert torch.equal(plan[3](q, k, v, None, 0.3), cuda_kernels._sdpa(q, k, v, None, 0.3))
+    assert len(plan) == 5 and plan[0] is None
 
 
 def test_math_attention_is_sdpa_with_grouped_heads():

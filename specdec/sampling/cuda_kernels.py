@@ -211,6 +211,7 @@ class CudaTable:
         self.timings: dict[str, dict[int, dict[str, float]]] = {}  # "OxI" -> rows -> candidate -> seconds
         self.attention: dict[str, dict[int, str]] = {}  # "heads H, kv K, d D:dtype" -> {queries: form}
         self.rope: dict[str, dict[int, str]] = {}  # the same geometries -> {queries: "torch" or "triton"}
+        self.eager: dict[str, dict[int, str]] = {}  # the same -> {queries: the faster of SDPA and matmul + softmax}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
@@ -219,6 +220,7 @@ class CudaTable:
                 self.timings = {s: {int(r): t for r, t in c.items()} for s, c in stored["timings"].items()}
                 self.attention = {g: {int(n): f for n, f in c.items()} for g, c in stored["attention"].items()}
                 self.rope = {g: {int(n): f for n, f in c.items()} for g, c in stored.get("rope", {}).items()}
+                self.eager = {g: {int(n): f for n, f in c.items()} for g, c in stored.get("eager", {}).items()}
 
     def candidates(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         found = {"linear": _linear}
@@ -237,7 +239,8 @@ class CudaTable:
 
     def save(self) -> None:
         store(self.path, self.key, {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
-                                    "timings": self.timings, "attention": self.attention, "rope": self.rope})
+                                    "timings": self.timings, "attention": self.attention, "rope": self.rope,
+                                    "eager": self.eager})
 
     @torch.no_grad()
     def prepare(self, weights: list[torch.Tensor], layers: list) -> None:
@@ -247,7 +250,8 @@ class CudaTable:
             by_shape.setdefault(_shape_key(w), []).append(w)
         geometries = {_geometry(f): f for f in layers}
         missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
-        new_geometries = {g: f for g, f in geometries.items() if g not in self.attention or g not in self.rope}
+        new_geometries = {g: f for g, f in geometries.items()
+                          if not all(g in known for known in (self.attention, self.rope, self.eager))}
         if not missing and not new_geometries:
             return
         t0 = time.perf_counter()
@@ -255,7 +259,7 @@ class CudaTable:
             self.timings[shape] = {rows: self._time_products(ws, rows) for rows in self.rows}
             self.choice[shape] = {rows: min(t, key=t.get) for rows, t in self.timings[shape].items()}
         for geometry, f in new_geometries.items():
-            self.attention[geometry] = self._measure_attention(f)
+            self.attention[geometry], self.eager[geometry] = self._measure_attention(f)
             self.rope[geometry] = self._measure_rope(f)
         self.measure_s += time.perf_counter() - t0
         self.save()
@@ -276,9 +280,10 @@ class CudaTable:
         passes = {name: (lambda fn=fn: [fn(x, w) for w in ws]) for name, fn in usable.items()}
         return {name: t / len(ws) for name, t in _best_of(passes, self.device).items()}
 
-    def _measure_attention(self, layer) -> dict[int, str]:
-        """{queries: form} for a layer's geometry: each form over ATTENTION_WIDTH key slots, half of them masked."""
-        choice = {}
+    def _measure_attention(self, layer) -> tuple[dict[int, str], dict[int, str]]:
+        """{queries: form} for a layer's geometry: each form over ATTENTION_WIDTH key slots, half of them masked; and
+        {queries: the fastest PyTorch form}, what a Triton form falls back to where it does not run."""
+        choice, eager = {}, {}
         for n in self.rows:
             b, d = 1, layer.head_dim
             dev, dtype = self.device, layer.qkv.weight.dtype
@@ -300,7 +305,8 @@ class CudaTable:
                       for name, fn in usable.items()}
             times = _best_of(passes, self.device)
             choice[n] = min(times, key=times.get)
-        return choice
+            eager[n] = min((f for f in times if f in ATTENTIONS), key=times.get)
+        return choice, eager
 
     def _measure_rope(self, layer) -> dict[int, str]:
         """{queries: "torch" or "triton"} for a layer's geometry: its rotary and K/V write as the lean forward's PyTorch
@@ -340,14 +346,17 @@ class CudaTable:
 
     def attention_plan(self, layer) -> list[Callable | None]:
         """Attention form per query count 0..max(rows) for a lean layer; None where SDPA was fastest. A Triton form
-        runs only where cuda_layer.launchable (inside graph recordings: launched from Python, SDPA)."""
-        known = self.attention_forms()
+        runs only where cuda_layer.launchable (inside graph recordings); launched from Python, the faster PyTorch
+        form at that count."""
+        known, geometry, most = self.attention_forms(), _geometry(layer), max(self.rows)
 
-        def gated(fn: Callable) -> Callable:
-            return lambda q, k, v, mask, scale: (fn if cuda_layer.launchable(q) else _sdpa)(q, k, v, mask, scale)
+        def gated(fn: Callable, eager: Callable) -> Callable:
+            return lambda q, k, v, mask, scale: (fn if cuda_layer.launchable(q) else eager)(q, k, v, mask, scale)
 
-        forms = per_count(self.attention.get(_geometry(layer), {}), max(self.rows), "sdpa")
-        return [None if form == "sdpa" else known[form] if form in ATTENTIONS else gated(known[form]) for form in forms]
+        forms = per_count(self.attention.get(geometry, {}), most, "sdpa")
+        eager = per_count(self.eager.get(geometry, {}), most, "sdpa")  # (launched op by op, e.g. a dynamic tree's)
+        return [None if form == "sdpa" else known[form] if form in ATTENTIONS else gated(known[form], known[fallback])
+                for form, fallback in zip(forms, eager)]
 
     def rope_plan(self, layer) -> list[Callable | None]:
         """Per query count 0..max(rows): cuda_layer.fused_rope_write where it was measured faster, else None."""
