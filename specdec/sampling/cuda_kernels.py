@@ -15,7 +15,8 @@ Nothing is assumed: on first use on a GPU, each weight shape's products are time
 against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
 replayed (as the sampler runs them), and the attention's forms per query count over a layer's geometry the same
 way (with Triton also cuda_layer's one-kernel attention, and its rotary + K/V write against the PyTorch ops). The
-fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
+fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is
+missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
 stay: the fallback is PyTorch's own.
 
 On the H200 (twenty-eighth session, experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products against the
@@ -229,8 +230,8 @@ class CudaTable:
         return found
 
     def attention_forms(self) -> dict[str, Callable]:
-        """Attention forms (q, k, v, mask, scale) -> [B, h, n, d]: SDPA, matmul + softmax, and with Triton the one-kernel
-        forms of cuda_layer (one per key block size)."""
+        """Attention forms (q, k, v, mask, scale) -> [B, h, n, d]: SDPA, matmul + softmax, and with Triton the
+        one-kernel forms of cuda_layer."""
         forms = dict(ATTENTIONS)
         if self.triton:
             forms.update({name: (lambda q, k, v, mask, scale, f=name: cuda_layer.attention(q, k, v, mask, scale, f))
@@ -332,7 +333,7 @@ class CudaTable:
                     forms.pop(name)
             if "triton" in forms and not all(map(torch.equal, written["torch"], written["triton"])):
                 forms.pop("triton")
-            passes = {name: (lambda fn=fn, bufs=stores[name]: [fn(qkv, cos, sin, slots, *bufs, heads) for _ in range(30)])
+            passes = {name: (lambda fn=fn, b=stores[name]: [fn(qkv, cos, sin, slots, *b, heads) for _ in range(30)])
                       for name, fn in forms.items()}
             times = _best_of(passes, self.device)
             choice[n] = min(times, key=times.get)

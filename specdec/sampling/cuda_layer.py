@@ -6,17 +6,20 @@ per layer, ~20 µs on the attention as PyTorch runs it (two batched products, a 
 n > 1 a copy of its output to [B, n, H]) and ~8 / 12 µs on the rotary and the K/V write (two multiplies, a roll, an
 add, two scatters, slower at n > 1 where their inputs are strided). Here each is one kernel:
 
-- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 16 queries, one program per (row, query head), the keys in
-  blocks with a running max (the online softmax). It writes [B, n, heads, d] and returns the [B, heads, n, d] view of
-  it, so the o_proj input that LeanLayer makes from it (transpose, reshape) is a view, not a copy. Float32 products
-  (no TF32): the attention to float32 rounding, like the math form.
+- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 16 queries, the keys in blocks with a running max (the online
+  softmax): one program per (row, query head) walking all the keys, or split, one per block of keys and a second
+  kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the other lost to
+  matmul + softmax: a few programs walking 512 keys in sequence). It writes [B, n, heads, d] and returns the
+  [B, heads, n, d] view of it, so the o_proj input that LeanLayer makes from it (transpose, reshape) is a view, not a
+  copy. Float32 products (no TF32): the attention to float32 rounding, like the math form.
 - `rope_write`: q and k rotated as LeanLayer rotates them (x·cos + roll(x, d/2)·sin', separately rounded: bitwise the
   PyTorch form), q written as [B, heads, n, d] and k, v at their slots of a SlotCache's buffers.
 
 cuda_kernels' table offers both as candidates beside the PyTorch forms, per layer geometry and query count, and keeps
 one only where it reproduces the PyTorch form (the rotary and the write bitwise, the attention within its tolerance)
-and measures faster in a recorded graph. Like the Triton products they run only inside graph recordings: launched
-from Python one by one, a Triton kernel's launch costs more than it saves."""
+and measures faster in a recorded graph. Like the Triton products they run only inside graph recordings (and the
+warm-up runs before one): launched from Python one by one, a Triton kernel's launch costs more than it saves. (The
+H200, thirty-seventh session: T_1 2.07 -> 1.52 ms, v(5) 1.32 -> 1.17; experiments/results/cuda_s37.)"""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ MAX_QUERIES = 16  # one block of query rows per program (tl.dot's smallest tile 
 # attention candidates: name -> (keys per step of the online softmax, split: one program per block of keys and a second
 # kernel joining their partial sums, as in flash-decoding; else one program walks all the keys)
 FORMS = {"triton_w64": (64, False), "triton_w128": (128, False), "triton_split64": (64, True),
-              "triton_split128": (128, True)}
+         "triton_split128": (128, True)}
 
 _KERNELS: dict[str, object] = {}
 
@@ -196,8 +199,9 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
     slots [B, n] -> q [B, heads, n, d] rotated; k rotated and v written at `slots` of keys, values [B, kv, M, d]."""
     b, n, _ = qkv.shape
     kv, d = keys.shape[1], keys.shape[3]
-    if not (qkv.dtype == keys.dtype == torch.float32 and qkv.is_contiguous() and keys.stride(-1) == 1 and keys.stride() == values.stride() and d % 2 == 0
-            and cos.stride(-1) == 1 and sin.stride(-1) == 1 and qkv.shape[2] == (heads + 2 * kv) * d):
+    if not (qkv.dtype == keys.dtype == torch.float32 and qkv.is_contiguous() and qkv.shape[2] == (heads + 2 * kv) * d
+            and keys.stride(-1) == 1 and keys.stride() == values.stride() and d % 2 == 0
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1):
         raise ValueError("rope_write takes the contiguous q|k|v product and rows of d contiguous")
     q = torch.empty(b, heads, n, d, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.expand(b, 1, n, d), sin.expand(b, 1, n, d)
@@ -211,7 +215,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
 
 def rope_write_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, heads: int) -> torch.Tensor:
-    """`rope_write` as LeanLayer.lean_forward computes it in PyTorch ops (what the kernel is checked and timed against)."""
+    """`rope_write` as LeanLayer.lean_forward computes it in PyTorch ops (what the kernel is checked and timed
+    against)."""
     b, n, _ = qkv.shape
     kv, d = keys.shape[1], keys.shape[3]
     qk, v = qkv.view(b, n, heads + 2 * kv, d).transpose(1, 2).split([heads + kv, kv], dim=1)
