@@ -274,7 +274,7 @@ def main() -> None:
         "native_built": native.available(), "native_build_s": round(native.build_s, 2),
         "kernel_choice": default_table().choice,
         **({"cuda_kernels": {"measure_s": round(gpu_table.measure_s, 1), "choice": gpu_table.choice,
-                             "attention": gpu_table.attention}} if cuda else {}),
+                             "attention": gpu_table.attention, "rope": gpu_table.rope}} if cuda else {}),
         # the base's 30 layers, one pass each way at n rows (native_layer.measure, as stored with the kernel table)
         "native_layer_ms": native_layers_ms(base),
         "command": command,
@@ -409,7 +409,9 @@ def render(r: dict) -> str:
                 + "; ".join(f"{s} " + ", ".join(f"{n}: {k}" for n, k in c.items())
                             for s, c in r["cuda_kernels"]["choice"].items())
                 + "; attention: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
-                                              for g, c in r["cuda_kernels"]["attention"].items()), ""]
+                                              for g, c in r["cuda_kernels"]["attention"].items())
+                + "; rotary + K/V write: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
+                                                       for g, c in r["cuda_kernels"].get("rope", {}).items()), ""]
                if r.get("cuda_kernels") else []),
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "

@@ -127,16 +127,17 @@ def test_a_wrong_candidate_is_left_out(tiny, monkeypatch):
 
 @needs_triton
 def test_one_kernel_attention_and_rope_write_compute_what_pytorch_does():
-    """cuda_layer's kernels (interpreted) on ragged shapes: the attention to float32 rounding, with and without a
-    mask, over a window of a longer buffer, its output [B, h, n, d] a view of [B, n, h, d]; the rotary and K/V write
-    bitwise the lean forward's PyTorch ops, at scattered slots."""
+    """cuda_layer's kernels (interpreted) on ragged shapes and 1-40 queries: the attention to float32 rounding, with
+    and without a mask, over a window of a longer buffer, its output [B, h, n, d] a view of [B, n, h, d]; the rotary
+    and K/V write bitwise the lean forward's PyTorch ops, at scattered slots."""
     out = interpreted("""
         import torch
         from specdec.sampling import cuda_layer
         from specdec.sampling.cuda_kernels import math_attention
         g = torch.Generator().manual_seed(0)
         worst, exact = 0.0, True
-        for b, h, kv, n, d, w in [(1, 9, 3, 5, 64, 300), (2, 4, 2, 16, 16, 70), (1, 6, 6, 1, 24, 40)]:
+        for b, h, kv, n, d, w in [(1, 9, 3, 5, 64, 300), (2, 4, 2, 16, 16, 70), (1, 6, 6, 1, 24, 40),
+                                  (1, 4, 2, 40, 16, 90)]:  # (40 queries: a tree's verify, the 64-row variant)
             q = torch.randn(b, h, n, d, generator=g)
             k, v = (torch.randn(b, kv, w + 20, d, generator=g)[:, :, :w] for _ in range(2))
             mask = torch.zeros(b, 1, n, w).masked_fill_(torch.rand(b, 1, n, w, generator=g) > 0.5, -3.4e38)

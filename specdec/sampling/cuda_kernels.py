@@ -49,7 +49,9 @@ from specdec.sampling import cuda_layer
 from specdec.sampling.kernels import per_count, store
 from specdec.sampling.lean import decode_linears, lean_layers
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # row counts measured; more rows (and other dtypes) take F.linear
+# row and query counts measured: the Triton products take up to 16 rows (more take F.linear), the attention and the
+# rotary + K/V write up to a recorded graph's 64 queries (more: PyTorch's); other dtypes take PyTorch's throughout
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 MAX_ROWS = 16  # one block of x rows per program (tl.dot's smallest tile side)
 # name -> (kind, output rows per program, inputs per step, split-K slices, warps, pipeline stages). Two kinds:
 # - "dot": x rows padded to a 16-row tile, one tl.dot per step (float32 FMAs);

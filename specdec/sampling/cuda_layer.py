@@ -6,7 +6,7 @@ per layer, ~20 µs on the attention as PyTorch runs it (two batched products, a 
 n > 1 a copy of its output to [B, n, H]) and ~8 / 12 µs on the rotary and the K/V write (two multiplies, a roll, an
 add, two scatters, slower at n > 1 where their inputs are strided). Here each is one kernel:
 
-- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 16 queries, the keys in blocks with a running max (the online
+- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 64 queries (a tree's verify), the keys in blocks with a running max (the online
   softmax): one program per (row, query head) walking all the keys, or split, one per block of keys and a second
   kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the other lost to
   matmul + softmax: a few programs walking 512 keys in sequence). It writes [B, n, heads, d] and returns the
@@ -30,7 +30,7 @@ import torch
 
 from specdec.sampling.cache import SlotCache
 
-MAX_QUERIES = 16  # one block of query rows per program (tl.dot's smallest tile side)
+MAX_QUERIES = 64  # queries per program: one block of 16, 32 or 64 rows (tl.dot's smallest tile side is 16)
 # attention candidates: name -> (keys per step of the online softmax, split: one program per block of keys and a second
 # kernel joining their partial sums, as in flash-decoding; else one program walks all the keys)
 FORMS = {"triton_w64": (64, False), "triton_w128": (128, False), "triton_split64": (64, True),
@@ -174,22 +174,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kv, w = k.shape[1], k.shape[2]
     if n > MAX_QUERIES or h % kv or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (q, k, v)) or (
             mask is not None and (mask.shape[1] != 1 or mask.stride(-1) != 1)):
-        raise ValueError("attention takes up to 16 float32 queries, grouped KV heads and rows of d contiguous")
+        raise ValueError("attention takes up to 64 float32 queries, grouped KV heads and rows of d contiguous")
     block_w, split = FORMS[form]
     block_d = max(16, 1 << (d - 1).bit_length())
+    block_n = max(16, 1 << (n - 1).bit_length())  # (a compiled variant per size: 16, 32, 64)
     splits = -(-w // block_w) if split else 1
     out = torch.empty(b, n, h, d, dtype=q.dtype, device=q.device)
-    part = q.new_empty(b, h, splits, MAX_QUERIES, block_d + 2) if split else out  # (unread unless split)
+    part = q.new_empty(b, h, splits, block_n, block_d + 2) if split else out  # (unread unless split)
     m = mask.expand(b, 1, n, w) if mask is not None else q  # (any tensor: not read without a mask)
     kernels = _kernels()
     kernels["attention"][(b, h, splits)](
         q, k, v, m, out, part, n, w, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(-2), out.stride(0), out.stride(1),
-        GROUP=h // kv, D=d, BLOCK_D=block_d, BLOCK_N=MAX_QUERIES, BLOCK_W=block_w, HAS_MASK=mask is not None,
+        GROUP=h // kv, D=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_W=block_w, HAS_MASK=mask is not None,
         SPLIT=split, num_warps=4)
     if split:
         kernels["join"][(b, h)](part, out, n, splits, out.stride(0), out.stride(1), D=d, BLOCK_D=block_d,
-                                BLOCK_N=MAX_QUERIES, num_warps=4)
+                                BLOCK_N=block_n, num_warps=4)
     return out.transpose(1, 2)
 
 
