@@ -6,9 +6,9 @@ per layer, ~20 µs on the attention as PyTorch runs it (two batched products, a 
 n > 1 a copy of its output to [B, n, H]) and ~8 / 12 µs on the rotary and the K/V write (two multiplies, a roll, an
 add, two scatters, slower at n > 1 where their inputs are strided). Here each is one kernel:
 
-- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 64 queries (a tree's verify), the keys in blocks with a running max (the online
-  softmax): one program per (row, query head) walking all the keys, or split, one per block of keys and a second
-  kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the other lost to
+- `attention`: softmax(q·kᵀ·scale + mask)·v for up to 64 queries (a tree's verify), the keys in blocks with a running
+  max (the online softmax): one program per (row, query head) walking all the keys, or split, one per block of keys
+  and a second kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the other lost to
   matmul + softmax: a few programs walking 512 keys in sequence). It writes [B, n, heads, d] and returns the
   [B, heads, n, d] view of it, so the o_proj input that LeanLayer makes from it (transpose, reshape) is a view, not a
   copy. Float32 products (no TF32): the attention to float32 rounding, like the math form.
