@@ -21,7 +21,10 @@
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
 # of them and drafter, drafter_eager, drafter_static, profile, ab_draft, verify_forms, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
-# script exits non-zero if any failed.
+# script exits non-zero if any failed. What each took on an H200 (thirty-sixth and thirty-seventh sessions), for a lent
+# GPU's budget of device time: tests 80-110 s, bench 175-195 s (the CUDA table measured in it, ~50 s), verify_forms
+# 35 s with that table cached (~90 s without), demo ~235 s (features 48, training 62, the two evaluations 80 + 44)
+# plus its round profile; a fresh machine's start and the workplace setup ~50-100 s more.
 set -u
 out=$(realpath -m "${1:-experiments/results/cuda}")
 work=${WORK:-$(mktemp -d)}
