@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from specdec.sampling.cache import SlotCache
+from specdec.sampling.lean import split_rotate
 
 MAX_QUERIES = 64  # queries per program: one block of 16, 32 or 64 rows (tl.dot's smallest tile side is 16)
 # attention candidates: name -> (keys per step of the online softmax, split: one program per block of keys and a second
@@ -218,10 +219,7 @@ def rope_write_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
                      values: torch.Tensor, heads: int) -> torch.Tensor:
     """`rope_write` as LeanLayer.lean_forward computes it in PyTorch ops (what the kernel is checked and timed
     against)."""
-    b, n, _ = qkv.shape
-    kv, d = keys.shape[1], keys.shape[3]
-    qk, v = qkv.view(b, n, heads + 2 * kv, d).transpose(1, 2).split([heads + kv, kv], dim=1)
-    q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)
+    q, k, v = split_rotate(qkv, (cos, sin), heads, keys.shape[1], keys.shape[3])
     index = slots[:, None, :, None]  # [B, 1, n, 1]
     keys.scatter_(2, index.expand_as(k), k)
     values.scatter_(2, index.expand_as(v), v)

@@ -119,10 +119,7 @@ class LeanLayer(nn.Module):
         if fused is not None:
             q, k, v = fused
         else:
-            qk, v = qkv.view(b, n, heads + 2 * kv, d).transpose(1, 2).split([heads + kv, kv], dim=1)
-            cos, sin = rope
-            # q and k rotated together: x·cos + rotate_half(x)·sin, rotate_half(x) = roll(x, d/2), the sign in sin
-            q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)  # [B, heads or kv_heads, n, d]
+            q, k, v = split_rotate(qkv, rope, heads, kv, d)
             k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
         attend = self.attention_rows[n] if n < len(self.attention_rows) else None
         if attend is not None:
@@ -133,6 +130,18 @@ class LeanLayer(nn.Module):
         hidden = hidden + o_proj(o.transpose(1, 2).reshape(b, n, heads * d))
         gate, up = self.gate_up(norm2(hidden)).split([self.intermediate, self.intermediate], dim=-1)
         return hidden + down_proj(act(gate) * up)
+
+
+def split_rotate(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, kv: int,
+                 d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused q|k|v product [B, n, (heads + 2·kv)·d] -> q [B, heads, n, d] and k [B, kv, n, d] rotated (rope:
+    `lean_rope`'s), v [B, kv, n, d]. q and k are rotated together: x·cos + rotate_half(x)·sin with rotate_half(x) =
+    roll(x, d/2) and the sign in sin."""
+    b, n, _ = qkv.shape
+    qk, v = qkv.view(b, n, heads + 2 * kv, d).transpose(1, 2).split([heads + kv, kv], dim=1)
+    cos, sin = rope
+    q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([heads, kv], dim=1)
+    return q, k, v
 
 
 def lean_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
