@@ -14,12 +14,14 @@
 #          chain with its whole draft replayed from one CUDA graph against drafted launch by launch, interleaved;
 #          drafter_static: that drafter on the static tree of configs/sampler/static_tree.yaml (9 nodes, depth 4), the
 #          other tree a whole-draft graph records
+#   ab_trees our AR loop (and the demo's heads, after `demo`) in this tree against OTHER=<another checkout>,
+#          interleaved processes (experiments/ab_trees.py)
 #   verify_forms  the kernels of one recorded verify forward at n = 1 and 5, and v(n) with the products and the attention
 #          in other forms (experiments/profile_verify.py)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, verify_forms, prophet)
+# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed. What each took on an H200 (thirty-sixth and thirty-seventh sessions), for a lent
 # GPU's budget of device time: tests 80-110 s, bench 175-195 s (the CUDA table measured in it, ~50 s), verify_forms
@@ -92,6 +94,9 @@ for s in ${STEPS:-tests bench demo}; do
     profile)
       step profile "$py" experiments/profile_round.py "$DRAFTER" --device cuda --gamma 4 --prompts 3 --new 96 \
         --top 25 ;;
+    ab_trees)  # this tree's decode loop against another's (OTHER=<a checkout>), with the demo's heads where trained
+      step ab_trees "$py" experiments/ab_trees.py --other "$OTHER" --device cuda --prompts 6 --passes 2 \
+        $([ -d "$work/train/drafter" ] && echo --drafter "$work/train/drafter") ;;
     verify_forms)  # why a verify of a few tokens costs more than a decode step here
       step verify_forms "$py" experiments/profile_verify.py --device cuda --out "$out/profile_verify" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
@@ -107,7 +112,7 @@ for s in ${STEPS:-tests bench demo}; do
       step prophet_tree "$py" evaluate.py drafters="[$work/prophet/drafter]" prompts.limit=10 \
         sampler.max_new_tokens=128 sampler=dynamic_tree sampler.dynamic_depth=6 sampler.dynamic_budget=24 'peers=[]' \
         wandb.enabled=false hydra.run.dir="$out/prophet_tree" ;;
-    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, drafter_static, profile, ab_draft, verify_forms, prophet)"; failed=1 ;;
+    *) echo "unknown step $s (tests, bench, demo, drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, prophet)"; failed=1 ;;
   esac
 done
 exit $failed

@@ -193,10 +193,10 @@ def test_recorded_forward_with_the_one_kernel_forms_is_the_pytorch_one():
             pool = graphs.GraphPool(base, "base", 1, 32)
             pool.adopt(SlotCache(32), fast)  # the buffers in place, as a decode's first eager forward leaves them
             x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
-            verify, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
-                                     torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
-            step, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
-                                   torch.ones(1, 1, dtype=torch.bool), embed=True)
+            verify, _, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
+                                        torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
+            step, _, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
+                                      torch.ones(1, 1, dtype=torch.bool), embed=True)
             return verify, step, pool.cache.layers[-1].keys.clone()
 
         stock = run()

@@ -68,6 +68,34 @@ def test_nan_logits_fail_instead_of_emitting_garbage():
     assert "NaN/inf in the base's logits" in _one_line(e)
 
 
+def test_nan_logits_fail_where_the_argmax_is_recorded(monkeypatch):
+    """A GPU's greedy verify takes `checked_argmax` inside its graph: the host sees -1 and fails the same way."""
+    from specdec.sampling import decode
+
+    monkeypatch.setattr(decode, "use_graphs", lambda c, device: c.cuda_graphs)  # the graph path on the CPU
+    base = tiny_base(seed=5)
+    generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))  # (a sound base decodes)
+    with torch.no_grad():
+        base.model.lm_head.weight[:, 0] = float("nan")  # every logit but the prefill's: its check runs eagerly
+    with pytest.raises(FloatingPointError) as e:
+        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))
+    assert "NaN/inf in the base's logits" in _one_line(e)
+
+
+def test_checked_argmax_marks_what_greedy_decoding_must_not_emit():
+    """`checked_argmax`, the recorded form of finite_argmax: the argmax, first on a tie, or -1 where a NaN or +inf
+    would be chosen or the row has no finite logit; an -inf below a finite max changes no token and passes."""
+    from specdec.sampling.argmax import checked_argmax
+
+    logits = torch.randint(0, 3, (2, 3, 50)).float()
+    logits[0, 1, :7] = float("-inf")
+    assert torch.equal(checked_argmax(logits), logits.argmax(-1))
+    logits[1, 2, 20], logits[0, 0, 3], logits[1, 0] = float("nan"), float("inf"), float("-inf")
+    want = logits.argmax(-1)
+    want[1, 2] = want[0, 0] = want[1, 0] = -1
+    assert torch.equal(checked_argmax(logits), want)
+
+
 def test_finite_logits_whose_sum_overflows_pass():
     """The check sums the logits first; a sum that overflows alone (every logit finite) is not a failure."""
     from specdec.sampling.decode import finite

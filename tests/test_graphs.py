@@ -157,3 +157,40 @@ def test_pools_go_with_their_base(prompts, graphs_on):
     del base
     gc.collect()
     assert model() is None  # the pools (and their buffers) held no reference to the model
+
+
+def test_greedy_verifies_record_the_argmax(base, prompts, graphs_on):
+    """At T = 0 the verify's graph ends with the lm_head and `checked_argmax` (the host reads [B, n] ids); sampling
+    and a drafter that reads the base's logits take the logits as before."""
+    decode.generate(base, prompts[:1], None, cfg())
+    heads = [key[6] for pool in graphs.pools(base) for key in pool.graphs]
+    assert heads == [base.lm_head]
+    decode.generate(base, prompts[:1], None, cfg(temperature=1.0), torch.Generator().manual_seed(0))
+    assert {key[6] for pool in graphs.pools(base) for key in pool.graphs} == {base.lm_head, None}
+
+
+def test_a_changed_layout_is_copied_in(base):
+    """A graph skips copying its layout when a call passes the very tensors it copied last; a call with another layout
+    of as many queries (a chain, then a tree, then the chain again) gets its own: each verify as the eager one."""
+    chain = (torch.arange(4), torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril())
+    tree = (torch.arange(4), torch.tensor([0, 1, 1, 2]),
+            torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))
+    tokens = torch.tensor([[7, 8, 9, 10]])
+
+    def verifies(graphed: bool) -> list[torch.Tensor]:
+        ctx = SamplingContext(base, 1, 64, graphs=graphed)
+        ctx.commit_layout(12)
+        ctx.base_forward(torch.arange(3, 15)[None])
+        ctx.commit(torch.tensor([12]), [12])
+        out = []
+        for layout in (chain, chain, tree, tree, chain):
+            ctx.tree_layout(*layout)
+            out.append(ctx.verify_forward(tokens, feature_layers=(-1,))[1][-1])
+        return out
+
+    with torch.no_grad():
+        want, got = verifies(False), verifies(True)
+    assert recorded(base) == {"base": 1}  # one graph, three layouts through it
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want[0], want[2])  # the tree's verify is not the chain's

@@ -75,6 +75,14 @@ class Shortlist:
         return vocab[exact.argmax(dim=1)].reshape(shape)
 
 
+def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the argmax [...] (long), -1 where that row's max is not finite (a NaN anywhere in the row,
+    +inf, or a row all -inf: greedy decoding would emit garbage there). Device ops alone, so a recorded verify ends
+    with it (graphs.py) and the host reads one small tensor per round, which it checks for -1 (decode.py)."""
+    best, target = logits.max(-1)
+    return torch.where(torch.isfinite(best), target, -1)
+
+
 # lm_head -> its Shortlist, or None where that measured slower at every row count
 _SHORTLISTS: weakref.WeakKeyDictionary[nn.Linear, Shortlist | None] = weakref.WeakKeyDictionary()
 ROWS = (1, 2, 4, 8, 12, 16)  # row counts timed; more rows take the logits

@@ -17,6 +17,7 @@ from torch import nn
 
 from specdec.base import Base, cache_arg
 from specdec.sampling import native_layer
+from specdec.sampling.argmax import checked_argmax
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.graphs import MAX_QUERIES, MAX_ROWS, GraphPool, claim
 from specdec.sampling.lean import LeanLayer, lean, lean_rope
@@ -49,8 +50,9 @@ class SamplingContext:
         self.length = torch.zeros(batch_size, dtype=torch.long, device=base.device)  # [B] committed L_b
         self.length_host = [0] * batch_size  # the same on the host: sizes the key window without a sync
         # layout of the current call (set by commit_layout / tree_layout)
-        self.slots: torch.Tensor | None = None  # [B, n]
-        self.positions: torch.Tensor | None = None  # [B, n]
+        self._at = self.length  # [B] the committed lengths it was laid out at (`commit` makes a new tensor)
+        self._slots: torch.Tensor | None = None  # [B, n] see `slots`
+        self._pos: torch.Tensor | None = None  # [B, n] see `positions`
         self._visible: torch.Tensor | None = None  # [n, r] the round slots each query sees
         self._mask: torch.Tensor | None | object = None  # see `mask`
         self._start: int | None = None  # one row, consecutive rotary positions: the first (host), else None
@@ -84,8 +86,7 @@ class SamplingContext:
         self.width = lmax + r
         if self.width > self.max_len:
             raise RuntimeError(f"KV window {self.width} exceeds the preallocated {self.max_len} slots")
-        self.slots = self.length[:, None] + self.on_device(rel)[None]  # [B, n]
-        self.positions = self.length[:, None] + self.on_device(depth)[None]  # [B, n]
+        self._at, self._slots, self._pos = self.length, None, None
         self.span = (lmin + min(depth_host), lmax + max(depth_host))
         self.rel, self.depth = rel, depth
         contiguous = rel_host == list(range(rel_host[0], rel_host[0] + n))
@@ -94,6 +95,21 @@ class SamplingContext:
         consecutive = depth_host == list(range(depth_host[0], depth_host[0] + n))
         self._start = lmax + depth_host[0] if len(self.length_host) == 1 and consecutive else None
         self._mask = _PENDING
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[B, n] the slot each query's K/V is written at. Made on first use: a recorded forward (graphs.py) computes
+        its own, so a graphed round launches neither this nor `positions`."""
+        if self._slots is None:
+            self._slots = self._at[:, None] + self.on_device(self.rel)[None]
+        return self._slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, n] each query's rotary position (made on first use, as `slots`)."""
+        if self._pos is None:
+            self._pos = self._at[:, None] + self.on_device(self.depth)[None]
+        return self._pos
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small CPU tensor on the context's device, copied once per distinct value."""
@@ -131,17 +147,20 @@ class SamplingContext:
             mask = torch.zeros(n, self.width, dtype=dtype, device=dev)
             mask[:, lmax:].masked_fill_(~self.on_device(visible), neg)  # the committed prefix is seen by all
             return mask.expand(self.length.shape[0], 1, n, self.width)
-        key_rel = torch.arange(self.width, device=dev)[None] - self.length[:, None]  # [B, W]
+        key_rel = torch.arange(self.width, device=dev)[None] - self._at[:, None]  # [B, W]
         in_round = (key_rel >= 0) & (key_rel < r)
         seen = self.on_device(visible)[:, key_rel.clamp(0, r - 1)].permute(1, 0, 2)  # [B, n, W]
         allowed = (key_rel < 0)[:, None, :] | (in_round[:, None, :] & seen)
         return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, neg)[:, None]
 
-    def _store(self, name: str, start: int = 0) -> SlotCache:
-        """The store `name` set up to write the current layout's queries from index `start` on."""
+    def _slot_cache(self, name: str) -> SlotCache:
         if name not in self.stores:
             self.stores[name] = SlotCache(self.max_len)
-        store = self.stores[name]
+        return self.stores[name]
+
+    def _store(self, name: str, start: int = 0) -> SlotCache:
+        """The store `name` set up to write the current layout's queries from index `start` on (eagerly)."""
+        store = self._slot_cache(name)
         store.write_slots = self.slots[:, start:] if start else self.slots
         store.write_start = None if self.write_start is None else self.write_start + start
         store.width = self.width
@@ -153,11 +172,10 @@ class SamplingContext:
     ) -> torch.Tensor:
         """DraftContext.run_layers: HF decoder layers over hidden [B, n, H] in the current layout -> [B, n, H]."""
         fast = self._lean(layers)
-        cache = self._store(store)
         pool = self._graph_pool(store, fast, hidden)
         if pool is not None:
-            return pool.forward(fast, hidden, self.length, *self._graph_layout(), offset=position_offset)[0]
-        return self._run(layers, fast, hidden, cache, position_offset)[0]
+            return pool.forward(fast, hidden, self._at, *self._graph_layout(), offset=position_offset)[0]
+        return self._run(layers, fast, hidden, self._store(store), position_offset)[0]
 
     def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
              position_offset: int = 0, keep: Collection[int] = (),
@@ -196,7 +214,7 @@ class SamplingContext:
             self.rope = RotaryTable(self.base.rotary_emb, hidden, self.max_len)
         if self.rope.covers(self.span[0] + offset, self.span[1] + offset):
             if self._start is not None and not hf:
-                return None, self.rope.lean_run(self._start + offset, self.positions.shape[1])
+                return None, self.rope.lean_run(self._start + offset, len(self.rel))
             pos = self._positions(offset)
             return self.rope(pos) if hf else None, self.rope.lean(pos) if fast else None
         rope = self.base.rotary_emb(hidden, self._positions(offset))
@@ -218,9 +236,9 @@ class SamplingContext:
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
         """DraftContext.run_model: a whole HF decoder stack over input_ids [B, m], the last m queries of the current
         layout, on `store` -> its last hidden state [B, m, H']."""
-        start = self.slots.shape[1] - input_ids.shape[1]
+        start = len(self.rel) - input_ids.shape[1]
         if start < 0:
-            raise ValueError(f"run_model got {input_ids.shape[1]} queries for a layout of {self.slots.shape[1]}")
+            raise ValueError(f"run_model got {input_ids.shape[1]} queries for a layout of {len(self.rel)}")
         # the mask is None only for a single query, which never has start > 0
         mask = self.mask[:, :, start:] if start else self.mask
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=self.positions[:, start:],
@@ -232,26 +250,42 @@ class SamplingContext:
         (lean where every one has a lean forward, else the model's own forward) and final norm. Returns the normed
         last hidden state [B, n, H] and {layer: [B, n, H]} for feature_layers (HF's hidden_states numbering:
         l = the input of layer l, 0 = the embeddings; num_layers or -1 = the normed output)."""
+        return self._base_forward(input_ids, feature_layers)[:2]
+
+    def verify_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = ()):
+        """base_forward at T = 0: the base's greedy tokens [B, n] (`checked_argmax` of its logits: -1 where a query's
+        logits are not finite) and the features, the lm_head and argmax recorded with the layers where the forward
+        is replayed from a graph."""
+        _, feats, target = self._base_forward(input_ids, feature_layers, self.base.lm_head)
+        return target, feats
+
+    def _base_forward(self, input_ids: torch.Tensor, feature_layers: Sequence[int], head: nn.Module | None = None
+                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+        """(hidden, features) as `base_forward` returns them, and with a head `checked_argmax(head(hidden))`."""
         base, n = self.base, self.base.num_layers
         fast = self._lean(base.layers)
+        top = None
         if all(f is not None for f in fast):  # the model's forward, embeddings to norm, with every layer lean
             wanted = {l % (n + 1) for l in feature_layers}
-            cache = self._store("base")
             pool = self._graph_pool("base", fast, input_ids)
             if pool is not None:
-                hidden, inputs = pool.forward(fast, input_ids, self.length, *self._graph_layout(), embed=True,
-                                              keep=wanted - {n})
+                hidden, inputs, top = pool.forward(fast, input_ids, self._at, *self._graph_layout(), embed=True,
+                                                   keep=wanted - {n}, head=head)
             else:
-                hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), cache, keep=wanted - {n},
-                                           norm=base.norm)
-            return hidden, {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
-        out = base.model.model(
-            input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
-            use_cache=True, output_hidden_states=bool(feature_layers),
-            **cache_arg(base.model.model, self._store("base")),
-        )
-        hidden = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
-        return out.last_hidden_state, hidden
+                hidden, inputs = self._run(base.layers, fast, base.embed_tokens(input_ids), self._store("base"),
+                                           keep=wanted - {n}, norm=base.norm)
+            feats = {l: hidden if l % (n + 1) == n else inputs[l % (n + 1)] for l in feature_layers}
+        else:
+            out = base.model.model(
+                input_ids=input_ids, attention_mask=self.mask, position_ids=self.positions,
+                use_cache=True, output_hidden_states=bool(feature_layers),
+                **cache_arg(base.model.model, self._store("base")),
+            )
+            hidden = out.last_hidden_state
+            feats = {l: out.hidden_states[l] for l in feature_layers} if feature_layers else {}
+        if head is not None and top is None:  # an eager forward: the same argmax, op by op
+            top = checked_argmax(head(hidden))
+        return hidden, feats, top
 
     def _graph_pool(self, store: str, fast: list[LeanLayer | None], x: torch.Tensor) -> GraphPool | None:
         """The pool whose recorded graphs run `fast` over x [B, n(, H)] on `store` in the current layout, its
@@ -268,7 +302,7 @@ class SamplingContext:
             return None  # the rotary has no exact table: positions are computed per call
         key = (store, tuple(fast))
         if key not in self._adopted:
-            pool.adopt(self.stores[store], fast)
+            pool.adopt(self._slot_cache(store), fast)
             self._adopted.add(key)
         return pool
 
@@ -299,6 +333,7 @@ class SamplingContext:
             store.keep_rows(index)
 
     def commit(self, n_new: torch.Tensor, n_new_host: list[int]) -> None:
-        """Advance each row's committed length by n_new [B] (given on host too, to avoid a sync)."""
-        self.length += n_new
+        """Advance each row's committed length by n_new [B] (given on host too, to avoid a sync). A new tensor, not in
+        place: the current layout's lazily made slots and positions stay at the lengths it was laid out at."""
+        self.length = self.length + n_new
         self.length_host = [l + k for l, k in zip(self.length_host, n_new_host)]

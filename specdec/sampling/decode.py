@@ -4,6 +4,7 @@ Plain autoregressive decoding is the same loop with no drafter (a round of one n
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -263,13 +264,17 @@ def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform
 
 
 def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform: RowUniform, ctx: SamplingContext,
-             target: torch.Tensor | None):
+             target: torch.Tensor | None, round_no: int):
     """What the verify decided: path [B, D + 1] (each row's accepted nodes, root first, padded by repeating its deepest
     one) and its tokens [B, D + 1], n_acc [B] (accepted draft tokens), bonus [B] (the token the base emits after them),
-    and on the host n_acc and each row's emitted block (the accepted draft tokens, then the bonus). A greedy round on the
-    CPU is decided on the host (verify.greedy_paths: the same nodes, without a dozen small tensor ops)."""
-    if cfg.temperature == 0 and rnd.tokens.device.type == "cpu":
+    and on the host n_acc and each row's emitted block (the accepted draft tokens, then the bonus). A greedy round is
+    decided on the host (verify.greedy_paths: the same nodes, without a dozen small tensor ops, each a launch on a GPU)
+    from the base's argmax read once, and its outcome goes back to the device as one tensor."""
+    if cfg.temperature == 0:
         tgt = (logits.argmax(-1) if target is None else target).tolist()  # [B][N]
+        if min(map(min, tgt)) < 0:  # checked_argmax's mark: a query's logits were not finite
+            raise FloatingPointError(f"NaN/inf in the base's logits at decode round {round_no}: the base's weights "
+                                     f"or dtype are broken (try dtype=float32)")
         present = rnd.present()
         tokens = rnd.tokens.tolist()
         paths = verify.greedy_paths(tgt, tokens, rnd.parents.tolist(), None if present is None else present.tolist())
@@ -278,8 +283,10 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
         block = [[tok[i] for i in p[1:]] + [b] for tok, p, b in zip(tokens, paths, bonus_host)]
         n_acc_host = [len(p) - 1 for p in paths]
         padded = [p + p[-1:] * (width - len(p)) for p in paths]
-        path_tokens = [[tok[i] for i in p] for tok, p in zip(tokens, padded)]
-        return (torch.tensor(padded), torch.tensor(path_tokens), torch.tensor(n_acc_host), torch.tensor(bonus_host),
+        # per row: its path, the path's tokens, n_acc and the bonus, as one copy to the device
+        packed = torch.tensor([p + [tok[i] for i in p] + [k, b]
+                               for tok, p, k, b in zip(tokens, padded, n_acc_host, bonus_host)], device=ctx.length.device)
+        return (packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], packed[:, 2 * width + 1],
                 n_acc_host, block)
     best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]
     on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
@@ -313,6 +320,31 @@ def finite_argmax(logits: torch.Tensor, where: str) -> torch.Tensor:
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
                                  f"(try dtype=float32)")
     return target
+
+
+class PhaseClock:
+    """A decode's phase boundaries, read after it: `perf_counter` on a CPU; on CUDA an event recorded on the stream at
+    each mark, so timing a round's phases costs no synchronize (five a round held the host until the GPU had drained
+    at every boundary, where it could have queued the next work)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Each mark in seconds after the first."""
+        if not self.cuda:
+            return [t - self.marks[0] for t in self.marks]
+        torch.cuda.synchronize()
+        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
 
 
 def check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, drafter: Drafter | None) -> int:
@@ -384,6 +416,10 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     # T = 0 on the CPU: the verify's argmax without the lm_head's float32 logits, where that measures faster
     head = shortlist(base.lm_head) if (cfg.temperature == 0 and cfg.greedy_shortlist and dev.type == "cpu"
                                        and cfg.cpu_kernels == "measured") else None
+    # T = 0 on a GPU (or wherever the verify is recorded): the argmax as device ops after the lm_head, in the verify's
+    # graph, read by the host as [B, N] ids; a drafter that reads the base's logits gets them as before
+    device_argmax = (cfg.temperature == 0 and (dev.type != "cpu" or ctx.graphs)
+                     and not (drafter is not None and drafter.reads_logits))
 
     # -- prefill --------------------------------------------------------------------------------
     t_start = wall_clock(dev)
@@ -418,10 +454,11 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     length = DraftLength(cfg) if drafter is not None and cfg.adaptive else None
     t_first = wall_clock(dev)
     result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
+    clock, round_no = PhaseClock(dev), 0
 
     # -- rounds ---------------------------------------------------------------------------------
     while not all(done):
-        t0 = wall_clock(dev)
+        clock.mark()
         rnd = _lookup(cfg, prompt_ids, out, rows, done, root)
         looked_up = rnd is not None
         if looked_up:
@@ -435,18 +472,23 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             if length is not None:
                 length.active = torch.tensor([not done[row] for row in rows], device=dev)
             rnd = _draft(drafter, state, ctx, root, cfg, uniform, length, verify_cost)
-        t1 = wall_clock(dev)
+        clock.mark()
+        round_no += 1
         ctx.tree_layout(torch.arange(rnd.size), rnd.depth, rnd.ancestors)
-        hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
-        if head is not None and head.wins(hidden.shape[0] * hidden.shape[1]):
-            logits, target = None, head.argmax(hidden)  # [B, N]
-        elif cfg.temperature == 0 and dev.type == "cpu":  # the argmax, its logits checked (decided on the host)
-            logits = base.lm_head(hidden)
-            target = finite_argmax(logits, f"at decode round {len(result.step_verify_s) + 1}")
+        if device_argmax:
+            logits, (target, feats) = None, ctx.verify_forward(rnd.tokens, layers)  # [B, N] checked in _outcome
         else:
-            logits, target = finite(base.lm_head(hidden), f"at decode round {len(result.step_verify_s) + 1}"), None
-        t2 = wall_clock(dev)
-        path, path_tokens, n_acc, bonus, n_acc_host, block = _outcome(cfg, rnd, logits, uniform, ctx, target)
+            hidden, feats = ctx.base_forward(rnd.tokens, layers)  # [B, N, H]
+            if head is not None and head.wins(hidden.shape[0] * hidden.shape[1]):
+                logits, target = None, head.argmax(hidden)  # [B, N]
+            elif cfg.temperature == 0:  # the argmax, its logits checked (decided on the host)
+                logits = base.lm_head(hidden)
+                target = finite_argmax(logits, f"at decode round {round_no}")
+            else:
+                logits, target = finite(base.lm_head(hidden), f"at decode round {round_no}"), None
+        clock.mark()
+        path, path_tokens, n_acc, bonus, n_acc_host, block = _outcome(cfg, rnd, logits, uniform, ctx, target,
+                                                                      round_no)
         active = [not done[row] for row in rows]
         proposed = rnd.drafted()  # [B] per row: γ_s (its own chain length with an adaptive draft length)
         for i, row in enumerate(rows):
@@ -458,7 +500,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             length.update(sum(a for a, act in zip(n_acc_host, active) if act),
                           sum(g for g, act in zip(proposed, active) if act))
         n_new_host = [0 if done[row] else k + 1 for k, row in zip(n_acc_host, rows)]  # finished rows stay put
-        t3 = wall_clock(dev)
+        clock.mark()
         if drafter is not None:
             n = max(n_acc_host) + 1
             if not rnd.is_chain():
@@ -470,7 +512,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             kept = (None if logits is None or not drafter.reads_logits
                     else logits.gather(1, sel[..., None].expand(-1, -1, logits.shape[-1])))
             drafter.observe(state, ctx, Features(gathered, kept), path_tokens[:, :n], n_acc + 1, bonus)
-        ctx.commit(torch.tensor(n_new_host, device=dev), n_new_host)
+        ctx.commit(ctx.on_device(torch.tensor(n_new_host)), n_new_host)
         root = bonus
         keep = [i for i, row in enumerate(rows) if not done[row]]
         if drafter is None and keep and len(keep) <= len(rows) * 3 // 4:
@@ -481,12 +523,15 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             root = root[torch.tensor(keep, device=dev)]
             ctx.keep_rows(keep)
             uniform.keep_rows(keep)
-        t4 = wall_clock(dev)
+
+    clock.mark()
+    result.total_s = wall_clock(dev) - t_start
+    marks = clock.seconds()  # 4 a round and one after the last: draft | verify | accept | drafter's observe
+    for i in range(0, len(marks) - 1, 4):
+        t0, t1, t2, t3, t4 = marks[i: i + 5]
         result.step_draft_s.append((t1 - t0) + (t4 - t3))
         result.step_verify_s.append(t2 - t1)
         result.step_overhead_s.append(t3 - t2)
-
-    result.total_s = wall_clock(dev) - t_start
     result.tokens = torch.tensor([o + [-1] * (cfg.max_new_tokens - len(o)) for o in out])
     result.num_generated = [len(o) for o in out]
     return result

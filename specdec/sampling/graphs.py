@@ -10,15 +10,18 @@ static form of `SamplingContext.base_forward` / `run_layers`:
   computed in the graph from the committed lengths, and attended over all `max_len` slots;
 - the additive mask [B, 1, n, max_len] and the rotary rows are made in the graph from static inputs: the committed
   lengths [B], the layout's round slots and depths [n], and which round slots each query sees [n, max_len];
-- one graph per (layers, batch, query count, input dtype, feature layers kept, position offset, the measured forms
-  of its products and attention in use: cuda_kernels.py), recorded the first
+- one graph per (layers, batch, query count, input dtype, feature layers kept, position offset, head, the measured
+  forms of its products and attention in use: cuda_kernels.py), recorded the first
   time that forward is asked for and replayed from then on; the time it took is counted (`GraphPool.capture_s`,
   reported by make bench).
 
 The math is the eager lean forward's (LeanLayer.lean_forward over the same weights): masked slots get weight 0, so
 attending over the whole buffer adds only zeros. What can't be recorded runs eagerly as before: prefills, forwards of
 more than MAX_QUERIES tokens or MAX_ROWS rows, layers without a lean forward, a rotary that a table does not
-reproduce, a batch that dropped rows. On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA
+reproduce, a batch that dropped rows.
+
+A greedy verify (T = 0) records the lm_head and the argmax too (`head`): the host then reads [B, n] token ids once a
+round, where the eager lm_head, a finiteness check and an argmax were launched one by one after each replay. On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA
 only); the static forward itself runs on any device, which is how the tests check it without a GPU."""
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from specdec.sampling import cuda_kernels, cuda_layer
+from specdec.sampling.argmax import checked_argmax
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import LeanLayer
 from specdec.sampling.rotary import MARGIN, RotaryTable
@@ -103,14 +107,16 @@ class GraphPool:
 
     def forward(self, fast: Sequence[LeanLayer], x: torch.Tensor, length: torch.Tensor, rel: torch.Tensor,
                 depth: torch.Tensor, visible: torch.Tensor, *, embed: bool = False, keep: Collection[int] = (),
-                offset: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                offset: int = 0, head: nn.Module | None = None
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         """The layers `fast` over x (token ids [B, n] with embed: then the base's embeddings first and its final
         norm last; else hidden states [B, n, H]) at round slots rel [n] after each row's committed length [B]
         (device), rotated at length + depth [n] + offset, query i seeing round slots visible[i] [n, r] (rel, depth
-        and visible on the device, or the CPU: a blocking copy) -> [B, n, H] and {i: the input of layer i} for i in
-        keep; fresh tensors, not the graph's."""
+        and visible on the device, or the CPU: a blocking copy) -> [B, n, H], {i: the input of layer i} for i in
+        keep, and with a `head` (an lm_head) `checked_argmax` of its logits [B, n] (else None); fresh tensors, not
+        the graph's."""
         n = x.shape[1]
-        key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset, cuda_kernels.active())
+        key = (tuple(fast), embed, x.dtype, n, tuple(sorted(keep)), offset, head, cuda_kernels.active())
         graph = self.graphs.get(key)
         # inside a larger recording (a whole draft, draft_graph.py) the ops join that graph: no graph of their own is
         # recorded or replayed there
@@ -118,19 +124,20 @@ class GraphPool:
         new = graph is None and not inline
         t0 = time.perf_counter()
         if graph is None:
-            graph = _Graph(self, fast, x, embed, key[4], offset)
+            graph = _Graph(self, fast, x, embed, key[4], offset, head)
             if new:
                 self.graphs[key] = graph
-        graph.inputs(x, length, rel, depth, visible)
+        graph.inputs(x, length, rel, depth, visible, inline)
         if new:
             graph.capture()
             self.capture_s += time.perf_counter() - t0
             self.captures += 1
-        out, kept = graph._run() if inline else graph.replay()
-        return out.clone(), {i: h.clone() for i, h in kept.items()}
+        out, kept, top = graph._run() if inline else graph.replay()
+        return out.clone(), {i: h.clone() for i, h in kept.items()}, None if top is None else top.clone()
 
     def static_forward(self, fast: Sequence[LeanLayer], x: torch.Tensor, layout: Layout, embed: bool,
-                       keep: tuple[int, ...], offset: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       keep: tuple[int, ...], offset: int, head: nn.Module | None = None
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         """What a graph records: every tensor made from the static inputs x, layout and the pool's length [B]."""
         length, m = self.length, self.max_len
         hidden = self.embed(x) if embed else x  # [B, n, H]
@@ -150,33 +157,45 @@ class GraphPool:
             if i in keep:
                 kept[i] = hidden
             hidden = f.lean_forward(hidden, rope, mask, cache)
-        return (self.norm(hidden) if embed else hidden), kept
+        out = self.norm(hidden) if embed else hidden
+        return out, kept, None if head is None else checked_argmax(head(out))
 
 
 class _Graph:
     """One recorded forward: its static inputs, the graph, and its outputs (overwritten by every replay)."""
 
     def __init__(self, pool: GraphPool, fast: Sequence[LeanLayer], x: torch.Tensor, embed: bool,
-                 keep: tuple[int, ...], offset: int):
+                 keep: tuple[int, ...], offset: int, head: nn.Module | None = None):
         self.pool, self.fast, self.embed, self.keep, self.offset = pool, list(fast), embed, keep, offset
+        self.head = head
         self.x = torch.zeros_like(x, memory_format=torch.contiguous_format)
         self.layout = Layout(x.shape[1], pool.max_len, pool.device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        self.out: tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None] | None = None
+        self.held: tuple = ()  # the layout tensors (and their versions) the static layout last copied in
 
     def inputs(self, x: torch.Tensor, length: torch.Tensor, rel: torch.Tensor, depth: torch.Tensor,
-               visible: torch.Tensor) -> None:
+               visible: torch.Tensor, inline: bool = False) -> None:
+        """Copy a call's inputs into the static ones. The layout's are skipped when they are the very tensors copied
+        last time, unchanged (a decode's rounds repeat a few layouts, each one `SamplingContext.on_device` copy):
+        four fewer launches a call. Inside another recording (inline) every copy is recorded."""
         layout = self.layout
         self.x.copy_(x)
         self.pool.length.copy_(length)
+        held = tuple((t, t._version) for t in (rel, depth, visible))
+        if not inline and len(held) == len(self.held) and all(
+                a is b and u == w for (a, u), (b, w) in zip(held, self.held)):
+            return
+        self.held = () if inline else held
         layout.rel.copy_(rel)
         layout.depth.copy_(depth)
         r = visible.shape[1]
         layout.visible[:, :r].copy_(visible)
         layout.visible[:, r:] = False
 
-    def _run(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        return self.pool.static_forward(self.fast, self.x, self.layout, self.embed, self.keep, self.offset)
+    def _run(self) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+        return self.pool.static_forward(self.fast, self.x, self.layout, self.embed, self.keep, self.offset,
+                                        self.head)
 
     def capture(self) -> None:
         """Record the forward (CUDA), after WARMUP eager runs on a side stream. Every run computes this call's real
@@ -193,7 +212,7 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=self.pool.memory):
             self.out = self._run()
 
-    def replay(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def replay(self) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         if self.graph is None:  # not recorded (not CUDA): the static forward, eagerly
             return self._run()
         self.graph.replay()

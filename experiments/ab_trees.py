@@ -1,0 +1,110 @@
+"""A/B the sampler's code between two source trees: this checkout and `--other` (e.g. a `git worktree` of an earlier
+revision). Our AR loop, and with --drafter a trained drafter, decode the same HumanEval prompts in each tree, every
+tree in a process of its own (its `specdec` imported from that tree), the processes alternating, so a change to the
+decode loop itself (not one class, as ab_drafter.py does) is measured as a ratio on one machine state.
+
+    git worktree add /tmp/before HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_trees.py --other /tmp/before
+    python experiments/ab_trees.py --other /tmp/before --device cuda --drafter <its dir> --gamma 1
+
+Prints per tree: our AR loop's tok/s (and the drafter's, and its × AR), each tree's ratio to the other's, and whether
+every output equals this tree's AR (greedy: both trees must emit the base's own tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """In one tree's process: a warm-up decode of each method (kernel tables, graphs), then every prompt timed."""
+    from specdec.base import load_base
+    from specdec.checkpoint import load_drafter
+    from specdec.data.prompts import humaneval, render_chat
+    from specdec.sampling.cost import wall_clock
+    from specdec.sampling.decode import SamplerConfig, generate
+
+    base = load_base(device=args.device)
+    prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
+               for p in humaneval(limit=args.prompts)]
+    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+    methods = {"ar": None} | ({"drafter": load_drafter(args.drafter, base)} if args.drafter else {})
+    for drafter in methods.values():
+        generate(base, prompts[:1], drafter, cfg)
+    out = {}
+    for name, drafter in methods.items():
+        tokens, seconds, texts = 0, 0.0, []
+        for prompt in prompts:
+            t = wall_clock(base.device)
+            r = generate(base, [prompt], drafter, cfg)
+            seconds += wall_clock(base.device) - t
+            tokens += r.num_generated[0]
+            texts.append(r.tokens[0, : r.num_generated[0]].tolist())
+        out[name] = {"tokens": tokens, "s": seconds, "outputs": texts}
+    import specdec
+
+    print("RESULT " + json.dumps(out | {"specdec": specdec.__file__}))
+
+
+def run_tree(tree: Path, args: argparse.Namespace) -> dict:
+    """This script's worker with `tree`'s specdec first on the path."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", args.device, "--prompts",
+           str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--gamma", str(args.gamma)]
+    if args.drafter:
+        cmd += ["--drafter", str(Path(args.drafter).resolve())]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(f"the worker in {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--other", help="the other source tree (a checkout holding specdec/)")
+    ap.add_argument("--drafter", help="a trained drafter's directory (else our AR loop alone)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gamma", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=2, help="processes per tree, alternating (the order flips each pass)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if not args.other:
+        ap.error("--other is required")
+    trees = {"this tree": ROOT, "other": Path(args.other).resolve()}
+    totals: dict[str, dict[str, dict]] = {name: {} for name in trees}
+    for p in range(args.passes):
+        for name in (list(trees) if p % 2 == 0 else list(trees)[::-1]):
+            result = run_tree(trees[name], args)
+            if Path(result.pop("specdec")).resolve().parents[1] != trees[name]:
+                sys.exit(f"the worker for {trees[name]} imported another tree's specdec")
+            for method, r in result.items():
+                tot = totals[name].setdefault(method, {"tokens": 0, "s": 0.0, "outputs": []})
+                tot["tokens"] += r["tokens"]
+                tot["s"] += r["s"]
+                tot["outputs"].append(r["outputs"])
+    reference = totals["this tree"]["ar"]["outputs"][0]
+    print(f"{args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, {args.passes} processes per tree, "
+          f"device {args.device}; other = {trees['other']}\n")
+    print("| tree | method | tok/s | × its AR | × the other tree | output = AR's (this tree) |")
+    print("|---|---|---|---|---|---|")
+    rate = {(t, m): tot["tokens"] / tot["s"] for t, methods in totals.items() for m, tot in methods.items()}
+    for (tree, method), r in rate.items():
+        other = "other" if tree == "this tree" else "this tree"
+        same = all(o == reference for o in totals[tree][method]["outputs"])
+        print(f"| {tree} | {method} | {r:.1f} | {r / rate[tree, 'ar']:.3f} | {r / rate[other, method]:.3f} | "
+              f"{'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
