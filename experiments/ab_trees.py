@@ -7,7 +7,7 @@ decode loop itself (not one class, as ab_drafter.py does) is measured as a ratio
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_trees.py --other /tmp/before
     python experiments/ab_trees.py --other /tmp/before --device cuda --drafter <its dir> --gamma 1
 
-Prints per tree: our AR loop's tok/s (and the drafter's, and its × AR), each tree's ratio to the other's, and whether
+Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's, and its × AR), each tree's ratio to the other's, and whether
 every output equals this tree's AR (greedy: both trees must emit the base's own tokens)."""
 
 from __future__ import annotations
@@ -88,13 +88,15 @@ def main() -> None:
             result = run_tree(trees[name], args)
             if Path(result.pop("specdec")).resolve().parents[1] != trees[name]:
                 sys.exit(f"the worker for {trees[name]} imported another tree's specdec")
+            print(f"pass {p + 1}, {name}: " + ", ".join(f"{m} {r['tokens'] / r['s']:.1f} tok/s"
+                                                     for m, r in result.items()), flush=True)
             for method, r in result.items():
                 tot = totals[name].setdefault(method, {"tokens": 0, "s": 0.0, "outputs": []})
                 tot["tokens"] += r["tokens"]
                 tot["s"] += r["s"]
                 tot["outputs"].append(r["outputs"])
     reference = totals["this tree"]["ar"]["outputs"][0]
-    print(f"{args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, {args.passes} processes per tree, "
+    print(f"\n{args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, {args.passes} processes per tree, "
           f"device {args.device}; other = {trees['other']}\n")
     print("| tree | method | tok/s | × its AR | × the other tree | output = AR's (this tree) |")
     print("|---|---|---|---|---|---|")

@@ -271,7 +271,7 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
     decided on the host (verify.greedy_paths: the same nodes, without a dozen small tensor ops, each a launch on a GPU)
     from the base's argmax read once, and its outcome goes back to the device as one tensor."""
     if cfg.temperature == 0:
-        tgt = (logits.argmax(-1) if target is None else target).tolist()  # [B][N]
+        tgt = target.tolist()  # [B][N] (every greedy verify gives its argmax, checked or marked)
         if min(map(min, tgt)) < 0:  # checked_argmax's mark: a query's logits were not finite
             raise FloatingPointError(f"NaN/inf in the base's logits at decode round {round_no}: the base's weights "
                                      f"or dtype are broken (try dtype=float32)")
@@ -284,8 +284,8 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
         n_acc_host = [len(p) - 1 for p in paths]
         padded = [p + p[-1:] * (width - len(p)) for p in paths]
         # per row: its path, the path's tokens, n_acc and the bonus, as one copy to the device
-        packed = torch.tensor([p + [tok[i] for i in p] + [k, b]
-                               for tok, p, k, b in zip(tokens, padded, n_acc_host, bonus_host)], device=ctx.length.device)
+        rows = [p + [tok[i] for i in p] + [k, b] for tok, p, k, b in zip(tokens, padded, n_acc_host, bonus_host)]
+        packed = torch.tensor(rows, device=ctx.length.device)  # [B, 2 (D + 1) + 2]
         return (packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], packed[:, 2 * width + 1],
                 n_acc_host, block)
     best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]

@@ -21,8 +21,10 @@ more than MAX_QUERIES tokens or MAX_ROWS rows, layers without a lean forward, a 
 reproduce, a batch that dropped rows.
 
 A greedy verify (T = 0) records the lm_head and the argmax too (`head`): the host then reads [B, n] token ids once a
-round, where the eager lm_head, a finiteness check and an argmax were launched one by one after each replay. On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA
-only); the static forward itself runs on any device, which is how the tests check it without a GPU."""
+round, where the eager lm_head, a finiteness check and an argmax were launched one by one after each replay.
+
+On a CPU nothing is recorded (`SamplerConfig.cuda_graphs` applies to CUDA only); the static forward itself runs on any
+device, which is how the tests check it without a GPU."""
 
 from __future__ import annotations
 
@@ -182,11 +184,10 @@ class _Graph:
         layout = self.layout
         self.x.copy_(x)
         self.pool.length.copy_(length)
-        held = tuple((t, t._version) for t in (rel, depth, visible))
-        if not inline and len(held) == len(self.held) and all(
-                a is b and u == w for (a, u), (b, w) in zip(held, self.held)):
+        given = (rel, depth, visible)
+        if not inline and self.held and all(t is h and t._version == v for t, (h, v) in zip(given, self.held)):
             return
-        self.held = () if inline else held
+        self.held = () if inline else tuple((t, t._version) for t in given)  # (held: their ids are never reused)
         layout.rel.copy_(rel)
         layout.depth.copy_(depth)
         r = visible.shape[1]
