@@ -208,6 +208,9 @@ def test_metrics_from_a_run(base, prompts):
     assert p["tau"] == pytest.approx(1 + sum(p["r"]))  # τ = 1 + Σ r_i
     assert p["alpha_i"][:2] == [1.0, 1.0] and p["accept_hist"].keys() <= {1, 2}
     assert len(r.step_verify_s) == len(r.step_draft_s) == len(r.step_overhead_s) > 0
+    # the phases tile the rounds (decode.PhaseClock's marks): every one non-negative, together within the decode's time
+    phases = [*r.step_draft_s, *r.step_verify_s, *r.step_overhead_s]
+    assert min(phases) >= 0 and 0 < sum(phases) <= r.decode_s
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
