@@ -7,8 +7,9 @@ decode loop itself (not one class, as ab_drafter.py does) is measured as a ratio
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_trees.py --other /tmp/before
     python experiments/ab_trees.py --other /tmp/before --device cuda --drafter <its dir> --gamma 1
 
-Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's, and its × AR), each tree's ratio to the other's, and whether
-every output equals this tree's AR (greedy: both trees must emit the base's own tokens)."""
+Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's, and its × AR), each
+tree's ratio to the other's, and whether every output equals this tree's AR (greedy: both trees must emit the base's
+own tokens). Rates are wall clock around each `generate` call, its set-up included, alike in both trees."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def worker(args: argparse.Namespace) -> None:
     """In one tree's process: a warm-up decode of each method (kernel tables, graphs), then every prompt timed."""
+    import specdec
     from specdec.base import load_base
     from specdec.checkpoint import load_drafter
     from specdec.data.prompts import humaneval, render_chat
@@ -47,8 +49,6 @@ def worker(args: argparse.Namespace) -> None:
             tokens += r.num_generated[0]
             texts.append(r.tokens[0, : r.num_generated[0]].tolist())
         out[name] = {"tokens": tokens, "s": seconds, "outputs": texts}
-    import specdec
-
     print("RESULT " + json.dumps(out | {"specdec": specdec.__file__}))
 
 
