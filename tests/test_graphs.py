@@ -162,11 +162,15 @@ def test_pools_go_with_their_base(prompts, graphs_on):
 def test_greedy_verifies_record_the_argmax(base, prompts, graphs_on):
     """At T = 0 the verify's graph ends with the lm_head and `checked_argmax` (the host reads [B, n] ids); sampling
     and a drafter that reads the base's logits take the logits as before."""
+    def heads(n: int) -> set:  # the heads recorded in the base's verifies of n tokens
+        return {key[6] for pool in graphs.pools(base) for key in pool.graphs if key[3] == n}
+
     decode.generate(base, prompts[:1], None, cfg())
-    heads = [key[6] for pool in graphs.pools(base) for key in pool.graphs]
-    assert heads == [base.lm_head]
+    assert heads(1) == {base.lm_head}
     decode.generate(base, prompts[:1], None, cfg(temperature=1.0), torch.Generator().manual_seed(0))
-    assert {key[6] for pool in graphs.pools(base) for key in pool.graphs} == {base.lm_head, None}
+    assert heads(1) == {base.lm_head, None}
+    r = decode.generate(base, prompts[:1], Oracle(base, 2), cfg(gamma=3))  # (the Oracle reads the verify's logits)
+    assert heads(4) == {None} and r.tokens.tolist() == reference(base, prompts[:1])
 
 
 def test_a_changed_layout_is_copied_in(base):
