@@ -247,14 +247,10 @@ def _lookup(cfg: SamplerConfig, prompt_ids: list[list[int]], out: list[list[int]
     return lookup_round(root, [p or [0] for p in proposals])
 
 
-def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, uniform: RowUniform, ctx: SamplingContext,
-            target: torch.Tensor | None = None):
-    """logits [B, N, V], or at T = 0 target [B, N] the base's argmax (then logits may be None)."""
+def _accept(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor, uniform: RowUniform, ctx: SamplingContext):
+    """A sampled round (T > 0: a greedy one is decided on the host, `_outcome`) from the base's logits [B, N, V]."""
     parents, anc, depth = ctx.on_device(rnd.parents), ctx.on_device(rnd.ancestors), ctx.on_device(rnd.depth)
     present = rnd.present()  # [B, N] or None: each row's own draft length (adaptive)
-    if cfg.temperature == 0:
-        target = logits.argmax(-1) if target is None else target
-        return verify.greedy_targets(target, rnd.tokens, parents, anc, depth, present)
     p = verify.process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B, N, V]
     if cfg.acceptance == "typical":
         return verify.typical(p, rnd.tokens, parents, anc, depth, cfg.typical_eps, cfg.typical_delta, uniform,
@@ -288,7 +284,7 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
         packed = torch.tensor(rows, device=ctx.length.device)  # [B, 2 (D + 1) + 2]
         return (packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], packed[:, 2 * width + 1],
                 n_acc_host, block)
-    best, bonus = _accept(cfg, rnd, logits, uniform, ctx, target)  # [B], [B]
+    best, bonus = _accept(cfg, rnd, logits, uniform, ctx)  # [B], [B]
     on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
     n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
     depth = ctx.on_device(rnd.depth)

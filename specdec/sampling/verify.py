@@ -91,8 +91,8 @@ def greedy_targets(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
 
 def greedy_paths(target: list[list[int]], tokens: list[list[int]], parents: list[int],
                  present: list[list[bool]] | None = None) -> list[list[int]]:
-    """`greedy_targets` on host lists, for a round on the CPU: its dozen tensor ops cost ~0.1-0.3 ms a round there
-    (more than a few % of a decode step), this a few µs. target, tokens [B][N], parents [N] (parents before children,
+    """`greedy_targets` on host lists, for every greedy round of the decode loop (the base's argmax read once from the
+    device): its dozen tensor ops cost ~0.1-0.3 ms a round on a 2-core CPU and a launch each on a GPU, this a few µs. target, tokens [B][N], parents [N] (parents before children,
     as every round numbers them), present [B][N] or None. Returns each row's accepted path, node ids root first: its
     last node is the one `greedy_targets` returns (the deepest accepted, the lower index on a tie)."""
     out = []
