@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(args: argparse.Namespace) -> None:
-    """In one tree's process: a warm-up decode of each method (kernel tables, graphs), then every prompt timed."""
+    """In one tree's process: a warm-up decode of each method (kernel tables, graphs), then every prompt timed. It
+    imports that tree's specdec, so it calls only what older trees have too (no helper newer than the tree compared)."""
     import specdec
     from specdec.base import load_base
     from specdec.checkpoint import load_drafter

@@ -78,7 +78,9 @@ class Shortlist:
 def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> the argmax [...] (long), -1 where that row's max is not finite (a NaN anywhere in the row,
     +inf, or a row all -inf: greedy decoding would emit garbage there). Device ops alone, so a recorded verify ends
-    with it (graphs.py) and the host reads one small tensor per round, which it checks for -1 (decode.py)."""
+    with it (graphs.py) and the host reads one small tensor per round, which it checks for -1 (decode.py). An eager
+    decode on a CPU takes decode.finite_argmax instead: the same check read from the max itself, without the isfinite
+    and where (at 2 rows on the 2-core Zen 5: 40 µs a verify against 105)."""
     best, target = logits.max(-1)
     return torch.where(torch.isfinite(best), target, -1)
 
