@@ -1,6 +1,6 @@
 """Draft cost per depth c = (draft time per round / γ) / T_1, with and without a draft vocabulary, with the drafter's
-weights exact (fp32), as bfloat16 copies, with Q8_0 blocks allowed too (q8, the sampler's default draft_precision) and
-Q4_1 blocks too (q4), per family (Medusa, Hydra, the prophet).
+weights exact (fp32), as bfloat16 copies, with Q8_0 blocks allowed too (q8, the sampler's default draft_precision),
+Q4_1 blocks too (q4) and Q4_1 blocks times int8-rounded inputs too (q4a8), per family (Medusa, Hydra, the prophet).
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/bench_draft_cost.py [--gamma 4] [--new 48] [--precisions q8 q4]
                                                                        [--reps 5]
@@ -46,12 +46,12 @@ from bench_ar import streamed_bytes  # noqa: E402
 
 def held_bytes(w: torch.Tensor, precision: str) -> float:
     """A drafter weight's bytes in the narrowest form `precision` lets the sampler multiply from (kernels.py): its exact
-    compact form where it has one (a draft vocab's rows of the base's Q8_0 embedding), else Q4_1 or Q8_0 blocks (q4,
-    q8: where its rows are whole groups of 32), bfloat16, or float32."""
+    compact form where it has one (a draft vocab's rows of the base's Q8_0 embedding), else Q4_1 or Q8_0 blocks (q4a8,
+    q4, q8: where its rows are whole groups of 32), bfloat16, or float32."""
     exact = compact.form(w)
     blocks = w.shape[1] % 32 == 0
     rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.125 if blocks else 2.0,
-               "q4": 0.75 if blocks else 2.0}[precision] * w.numel()
+               "q4": 0.75 if blocks else 2.0, "q4a8": 0.625 if blocks else 2.0}[precision] * w.numel()
     return min(exact.nbytes, rounded) if exact is not None else rounded
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--new", type=int, default=48)
-    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "q8", "q4"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "q8", "q4", "q4a8"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="experiments/results/bench/draft_cost.json")
     args = ap.parse_args()

@@ -290,3 +290,57 @@ def test_block_rounding_for_a_drafter_moves_each_weight_by_at_most_half_a_step(k
     offered = table._offered(_shape_key(w, bf16=True, quant=kind))
     assert "native_q8" in offered and ("native_q4" in offered) == (kind == "q4")
     assert not {"native_q8", "native_q4"} & set(table._offered(_shape_key(w, bf16=True)))
+
+
+def q4a8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """smallm_q4a8's sums in float64: x [M, I] rounded per group of 32 as the kernel rounds it (xq = rint(x·127/most),
+    s = most/127, in float32), the codes' integer dot products with xq, then Σ_g d·s·(Σ q·xq) + m·Σ x."""
+    d, m, q = compact._q4a8_rounded(w)  # [O, G, 1], [O, G, 1], [O, G, 32]
+    rows, i = x.shape
+    g = x.view(rows, i // 32, 32)
+    most = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(most > 0, 127 / most, torch.zeros_like(most))
+    xq = (g * inv).round()  # [M, G, 32], float32 as the kernel's; exact integers
+    s = (most / 127).double()
+    dots = torch.einsum("mgc,ogc->mog", xq.double(), q.double())  # [M, O, G], exact
+    return (dots * d.double().squeeze(-1) * s.squeeze(-1)[:, None]
+            + m.double().squeeze(-1) * g.double().sum(-1)[:, None]).sum(-1).float()
+
+
+@needs_compiler
+def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
+    """draft_precision=q4a8 (compact.quantize_q4a8, smallm_q4a8): a drafter's weight rounded to Q4_1 blocks with float16
+    scales (0.625 bytes per weight), each input row rounded to int8 per group of 32, multiplied as integers: the kernel
+    gives those sums (q4a8_reference) at every row count and block height, for a partial last block of 16 rows, an
+    all-zero input group and an all-zero weight group; the plain C build (no VNNI: a CPU without it) gives them too. The
+    kernel table offers it only under q4a8, never to q4's or q8's keys."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * 0.05
+    w[3, 32:64] = 0
+    c = compact.quantize_q4a8(w)
+    assert c.kind == "q4a8" and c.nbytes == 3 * 16 * 96 * 5 // 8  # 3 blocks of 16 rows (the last padded), 0.625 B/weight
+    groups = w.view(40, 3, 32)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15  # within half a step (+ float16's
+    assert bool(((compact.rounded(w, "q4a8") - w).view(40, 3, 32).abs() <= step / 2 * 1.01 + 1e-6).all())  # scales)
+    built = tmp_path / "plain.so"  # smallm.c alone, without -march=native: the plain C sums
+    assert native.compile_library(native.find_compiler(), ["-O3"], [native.SOURCE], built)
+    plain = native.open_library(built)
+    assert plain.smallm_q4a8_vnni() == 0
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 96)
+        x[0, :32] = 0
+        want = q4a8_reference(x, w)
+        torch.testing.assert_close(compact.gemm(x, c), want, rtol=1e-5, atol=1e-5)
+        got = torch.empty(rows, 40)
+        plain.smallm_q4a8(x.data_ptr(), c.blocks.data_ptr(), got.data_ptr(), rows, 96, 40, 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # against the float32 product of the rounded weights: off by x's rounding only (~1 % of the largest output)
+    x = torch.randn(4, 96)
+    exact = x @ compact.rounded(w, "q4a8").T
+    assert float((compact.gemm(x, c) - exact).abs().max()) < kernels.TOLERANCE["a8"] * float(exact.abs().max())
+    with pytest.raises(ValueError):
+        compact.quantize_q4a8(torch.randn(8, 40))  # not whole groups
+    table = KernelTable(None, rows=(1, 2))
+    assert {"native_q8", "native_q4", "native_q4a8"} <= set(table._offered(_shape_key(w, bf16=True, quant="q4a8")))
+    for other in ("q4", "q8"):
+        assert "native_q4a8" not in table._offered(_shape_key(w, bf16=True, quant=other))

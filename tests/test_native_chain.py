@@ -235,6 +235,29 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
 
 
 @needs_compiler
+def test_hydra_heads_under_q4a8_multiply_int8_inputs_in_the_native_call(base, monkeypatch):
+    """draft_precision=q4a8 where the kernel table picks its kernel for every linear of the heads: chain.c multiplies
+    from those q4a8 copies (its Q4A8 form), drafting what the PyTorch ops on the same copies draft, losslessly."""
+    table = kernels.KernelTable(None, rows=(1, 2, 4))
+    measured = table._time
+    monkeypatch.setattr(table, "_time", lambda *a: {n: 0.0 if n == "native_q4a8" else t
+                                                    for n, t in measured(*a).items()})
+    monkeypatch.setattr(table, "arbitrate", lambda *a, **k: {})  # (no one kernel for all the heads' products)
+    monkeypatch.setattr(kernels, "_TABLE", table)
+    drafter = perturbed(base, Hydra(base, num_heads=2, draft_vocab_size=48))
+    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=2, draft_precision="q4a8")
+    runs = []
+    for native_on in (True, False):
+        monkeypatch.setattr(race.Race, "first", lambda self, v=native_on: v)
+        runs.append(generate(base, [PROMPT], drafter, cfg))
+    chain = native_chain._HEADS[drafter][2]
+    linears = [l for s in chain.structs for l in (s.in_proj, s.head)]
+    assert {l.form for l in linears} == {native_layer.FORMATS["q4a8"]}
+    assert runs[0].accepted == runs[1].accepted and sum(map(sum, runs[0].accepted)) > 0
+    assert runs[0].tokens.tolist() == runs[1].tokens.tolist() == plain(base)
+
+
+@needs_compiler
 def test_hydra_under_stock_kernels_drafts_with_pytorch_ops(base, monkeypatch):
     """cpu_kernels=stock (PyTorch's own ops, the A/B baseline) is not replaced by the native chain."""
     drafter = Hydra(base, num_heads=3).eval()

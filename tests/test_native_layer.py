@@ -281,11 +281,12 @@ def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
 
 
 @needs_compiler
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q4a8"])
 def test_a_drafter_under_block_rounding_gets_its_native_layer_in_blocks(base, forced, monkeypatch, kind):
-    """draft_precision=q8 / q4: the drafter's block may also run natively from Q8_0 / Q4_1 blocks of its weights
-    (layer.c's q8 / q4 form, checked to float32 rounding against its lean forward on the rounded numbers) where that way
-    measures fastest; the base's layers stay exact, and decoding stays lossless."""
+    """draft_precision=q8 / q4 / q4a8: the drafter's block may also run natively from Q8_0 / Q4_1 blocks of its weights
+    (layer.c's q8 / q4 form, checked to float32 rounding against its lean forward on the rounded numbers; q4a8's, whose
+    products also round their inputs to int8, to that rounding) where that way measures fastest; the base's layers stay
+    exact, and decoding stays lossless."""
     monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
         r: {"lean": 3.0, **{way: 2.0 if way != kind else 1.0 for way in ways}} for r in counts})
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()

@@ -20,11 +20,12 @@ void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int 
 void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int I, int O, int threads);
 void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
+void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 int smallm_layers(const void *const *layers, int count, float *h, int n, const float *cos, const float *sin,
                   const int64_t *slots, int width, const float *mask, float *scratch, int threads, float *const *keep);
 void smallm_rms_norm(const float *x, const float *w, float *out, int n, int H, float eps);
 
-enum { F32, BF16, Q4, Q8 }; /* a weight's form, as layer.c's (native_layer.FORMATS) */
+enum { F32, BF16, Q4, Q8, Q4A8 }; /* a weight's form, as layer.c's (native_layer.FORMATS) */
 
 /* The chain's fixed parts: pointers into tensors the Python side keeps alive (native_chain.FeatureChain). */
 typedef struct {
@@ -43,6 +44,7 @@ static void product(int form, const void *w, const float *x, float *y, int M, in
     case BF16: smallm_packed_bf16(x, (const uint16_t *)w, y, M, I, O, threads); break;
     case Q4: smallm_packed_q4(x, w, y, M, I, O, threads); break;
     case Q8: smallm_packed_q8(x, w, y, M, I, O, threads); break;
+    case Q4A8: smallm_q4a8(x, w, y, M, I, O, threads); break;
     default: smallm_packed(x, (const float *)w, y, M, I, O, threads);
     }
 }

@@ -19,7 +19,11 @@ vector) and per group of 32 input columns, the groups of a block consecutive:
   q4:   d [R] float32, m [R] float32, then 32 columns of V bytes: byte k holds row k's q (low nibble) and row
         k + V's (high nibble)                                                            -> 0.75 bytes per weight
   q8:   d [R] float32, then 32 columns of R int8                                           -> 1.125 bytes per weight
-  bf16: smallm_packed's layout over the bfloat16 values (native.pack)                      -> 2 bytes per weight"""
+  bf16: smallm_packed's layout over the bfloat16 values (native.pack)                      -> 2 bytes per weight
+and, for a drafter's weights only (rounded, never exact), per block of 16 output rows and group of 32 columns:
+  q4a8: d [16] float16, m [16] float16, then 4 units of 64 bytes: byte 4r + k of unit u holds row r's q of column
+        4u + k (low nibble) and of column 16 + 4u + k (high nibble); multiplied by x rounded to int8 per group
+        (smallm.c's smallm_q4a8)                                                          -> 0.625 bytes per weight"""
 
 from __future__ import annotations
 
@@ -184,6 +188,21 @@ def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return native.huge_pages(torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous())
 
 
+A8_ROWS = 16  # output rows per block of the q4a8 layout (smallm.c's A8_ROWS)
+
+
+def pack_q4a8(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The q4a8 layout (module docstring) as uint8 [blocks·G·320]: d, m [O, G] float16, q [O, I] uint8 in 0..15."""
+    o, i = q.shape
+    gs = i // GROUP
+    scales = torch.stack([_blocked(d, A8_ROWS), _blocked(m, A8_ROWS)], 1)  # [nb, 2, 16, G] float16
+    scales = scales.permute(0, 3, 1, 2).contiguous().view(torch.uint8).flatten(2)  # [nb, G, 64] bytes
+    qb = _blocked(q, A8_ROWS).view(-1, A8_ROWS, gs, 2, 4, 4)  # [nb, r, G, half, u, k]: column 16·half + 4u + k
+    nib = qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)  # [nb, r, G, u, k]
+    nib = nib.permute(0, 2, 3, 1, 4).reshape(-1, gs, 4 * A8_ROWS * 4)  # [nb, G, 256]: unit by unit, row by row
+    return native.huge_pages(torch.cat([scales, nib], -1).reshape(-1).contiguous())
+
+
 def _rounding_groups(w: torch.Tensor, kind: str) -> torch.Tensor:
     """w [O, I] as [O, I/32, 32]; raises where it is not float32 CPU rows of whole groups."""
     o, i = w.shape
@@ -210,6 +229,15 @@ def _q4_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return d, m, _codes(g - m, d, 0, 15)
 
 
+def _q4a8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rounding with float16 scales (llama.cpp's own): m = the group's minimum and d = its range / 15, each rounded
+    to float16, q = round((w − m) / d) in 0..15: d, m [O, G, 1] float32 holding float16 values, q [O, G, 32]."""
+    g = _rounding_groups(w, "Q4_1")
+    m = g.amin(-1, keepdim=True).half().float()
+    d = ((g.amax(-1, keepdim=True) - m) / 15).half().float()
+    return d, m, _codes(g - m, d, 0, 15)
+
+
 @torch.no_grad()
 def quantize_q8(w: torch.Tensor) -> Compact:
     """w ROUNDED to Q8_0 blocks (`_q8_rounded`) in the q8 layout: not an exact form, so only for a drafter's weights
@@ -229,20 +257,31 @@ def quantize_q4(w: torch.Tensor) -> Compact:
 
 
 @torch.no_grad()
+def quantize_q4a8(w: torch.Tensor) -> Compact:
+    """w ROUNDED to Q4_1 blocks with float16 scales (`_q4a8_rounded`) in the q4a8 layout, whose product also rounds x to
+    int8 per group of 32 (0.625 bytes per weight, a few integer ops per 64 of them): for a drafter's weights under
+    draft_precision=q4a8, as quantize_q8; raises where a row is not whole groups."""
+    d, m, q = _q4a8_rounded(w)
+    return Compact("q4a8", pack_q4a8(d.squeeze(-1).half(), m.squeeze(-1).half(), q.to(torch.uint8).flatten(1)),
+                   *w.shape)
+
+
+@torch.no_grad()
 def rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """The float32 weight [O, I] that quantize_q8 / quantize_q4 (kind q8 | q4) multiply with: what their products are
-    checked against."""
+    """The float32 weight [O, I] that quantize_q8 / quantize_q4 / quantize_q4a8 (kind q8 | q4 | q4a8) multiply with:
+    what their products are checked against (q4a8's up to its rounding of x as well)."""
     if kind == "q8":
         d, q = _q8_rounded(w)
         return (d * q).flatten(1)
-    d, m, q = _q4_rounded(w)
+    d, m, q = _q4a8_rounded(w) if kind == "q4a8" else _q4_rounded(w)
     return torch.addcmul(m, d, q).flatten(1)  # d·q + m, as the kernel's fma (one rounding)
 
 
 def gemm(x: torch.Tensor, c: Compact) -> torch.Tensor:
     """x [M, I] (float32, CPU) · Wᵀ -> [M, O] from W's compact form."""
     lib = native._library()
-    kernel = {"q4": lib.smallm_packed_q4, "q8": lib.smallm_packed_q8, "bf16": lib.smallm_packed_bf16}[c.kind]
+    kernel = {"q4": lib.smallm_packed_q4, "q8": lib.smallm_packed_q8, "bf16": lib.smallm_packed_bf16,
+              "q4a8": lib.smallm_q4a8}[c.kind]
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != c.in_features:
         raise ValueError(f"compact product: x {tuple(x.shape)} {x.dtype} does not multiply a [{c.out_features}, "
                          f"{c.in_features}] weight on the CPU")

@@ -81,7 +81,8 @@ class SamplerConfig:
     # to llama.cpp's Q8_0 blocks (1.125 bytes per weight; each moves by at most 1/254 of its block's largest), where
     # that measures faster (prophet recipe, γ = 3, 2-core Xeon: 18 % less drafting per round than bf16, τ unchanged;
     # experiments/results/ab/prophet_draft_precision_q8.md). q4 = as q8, and Q4_1 blocks too (0.75 bytes per weight;
-    # each moves by at most 1/30 of its block's range).
+    # each moves by at most 1/30 of its block's range). q4a8 = as q4, and Q4_1 blocks multiplied by the linear's input
+    # rounded to int8 per group of 32 too (0.625 bytes per weight; integer dot products where the CPU has AVX-512 VNNI).
     draft_precision: str = "q8"
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the
@@ -102,8 +103,8 @@ class SamplerConfig:
             (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
             (self.cuda_kernels in ("measured", "stock"),
              f"cuda_kernels must be measured or stock, got {self.cuda_kernels!r}"),
-            (self.draft_precision in ("fp32", "bf16", "q8", "q4"),
-             f"draft_precision must be fp32, bf16, q8 or q4, got {self.draft_precision!r}"),
+            (self.draft_precision in ("fp32", "bf16", "q8", "q4", "q4a8"),
+             f"draft_precision must be fp32, bf16, q8, q4 or q4a8, got {self.draft_precision!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
             (self.tree != "static" or bool(self.paths), "a static tree needs paths, e.g. [[0], [1], [0, 0]]"),
             (self.tree != "dynamic" or min(self.dynamic_depth, self.dynamic_topk, self.dynamic_budget) >= 1,
@@ -382,7 +383,7 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     fast = cfg.cpu_kernels == "measured" and base.device.type == "cpu"
     drafters = [drafter] if drafter is not None else []
     bf16 = drafters if cfg.draft_precision != "fp32" else []  # the drafter's weights may be rounded
-    quant = cfg.draft_precision if cfg.draft_precision in ("q8", "q4") else ""  # ... to these blocks too
+    quant = cfg.draft_precision if cfg.draft_precision in ("q8", "q4", "q4a8") else ""  # ... to these blocks too
     curve = None
     if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
         b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n

@@ -157,20 +157,25 @@ BF16: dict[str, Candidate] = {
     "linear_bf16": Candidate(_linear_bf16, _to_bf16),
 }
 BF16_KEY = "~bf16"  # shape-key suffix of a weight that may take the BF16 candidates
-# the weight rounded to llama.cpp's Q8_0 or Q4_1 blocks (compact.quantize_q8 / quantize_q4): for a drafter's linears
-# under draft_precision=q8 (Q8_0) or q4 (either), offered beside the BF16 ones, under shape keys suffixed "~q8" / "~q4"
+# the weight rounded to llama.cpp's Q8_0 or Q4_1 blocks (compact.quantize_q8 / quantize_q4 / quantize_q4a8): for a
+# drafter's linears under draft_precision=q8 (Q8_0), q4 (either) or q4a8 (any of them, or Q4_1 blocks multiplied by x
+# rounded to int8: integer dot products), offered beside the BF16 ones, under shape keys suffixed "~q8" / "~q4" / "~q4a8"
 QUANT: dict[str, Candidate] = {
     f"native_{kind}": Candidate(compact.gemm, getattr(compact, f"quantize_{kind}"),
                                 lambda w, k=kind: compact.rounded(w, k))
-    for kind in ("q8", "q4")}
-QUANT_LEVELS = {"q8": ("native_q8",), "q4": ("native_q8", "native_q4")}  # draft_precision -> the candidates it offers
+    for kind in ("q8", "q4", "q4a8")}
+# draft_precision -> the candidates it offers
+QUANT_LEVELS = {"q8": ("native_q8",), "q4": ("native_q8", "native_q4"),
+                "q4a8": ("native_q8", "native_q4", "native_q4a8")}
+ROUNDS_INPUT = {"native_q4a8"}  # candidates that round x too: checked to TOLERANCE["a8"]
 # the weight's own float32 numbers from their exact compact form: exact, offered to weights that have one
 COMPACT: dict[str, Candidate] = {"native_compact": Candidate(compact.gemm, compact.pack)}
 COMPACT_KEY = "~exact-"  # shape-key suffix (+ the form's kind) of a weight that may take the COMPACT candidate
 # A candidate passes its check when within this fraction of the output's largest magnitude of the exact product (a
 # bf16 weight is off by up to 2^-9 of itself; the sum of 576-1536 such products stays well inside 2 %)
 # (a rounding candidate is checked against the product of the weight it rounded to, so to the exact tolerance)
-TOLERANCE = {"exact": 1e-3, "bf16": 2e-2}
+# (x rounded to int8 per group of 32 moves each product by up to ~1 % of the output's largest magnitude)
+TOLERANCE = {"exact": 1e-3, "bf16": 2e-2, "a8": 5e-2}
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
 
@@ -233,8 +238,9 @@ class KernelTable:
     # -- measuring -------------------------------------------------------------------------------------
     def _offered(self, shape: str) -> dict[str, Candidate]:
         """The candidates a shape key may use: the exact ones, the BF16 ones for a drafter's weights (and the QUANT ones
-        of its level under draft_precision=q8 or q4) and the COMPACT ones for weights with an exact compact form."""
-        level = next((lv for lv in QUANT_LEVELS if f"~{lv}" in shape), None)
+        of its level under draft_precision=q8, q4 or q4a8) and the COMPACT ones for weights with an exact compact form."""
+        rounding = shape.split(COMPACT_KEY)[0]  # "OxI:dtype~bf16~<level>" for a drafter's weight with a level
+        level = next((lv for lv in QUANT_LEVELS if rounding.endswith(f"~{lv}")), None)
         quant = {n: c for n, c in self.quant.items() if level is not None and n in QUANT_LEVELS[level]}
         return {**self.candidates, **(self.bf16 if BF16_KEY in shape else {}), **quant,
                 **(self.compact if COMPACT_KEY in shape else {})}
@@ -242,8 +248,8 @@ class KernelTable:
     def prepare(self, weights: list[torch.Tensor], bf16: bool = False, compact: bool = False, quant: str = "") -> None:
         """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
         (once per process) the stored choice of the others, and measure again a shape that fails it. bf16: the
-        weights may also take the BF16 candidates (a drafter's, when the sampler allows it), and with quant ("q8" or
-        "q4", its draft_precision) that level's QUANT ones; compact: the COMPACT ones, those that have an exact
+        weights may also take the BF16 candidates (a drafter's, when the sampler allows it), and with quant ("q8",
+        "q4" or "q4a8", its draft_precision) that level's QUANT ones; compact: the COMPACT ones, those that have an exact
         compact form."""
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
@@ -311,7 +317,7 @@ class KernelTable:
         exact = F.linear(x, ws[0])
         usable = {}
         for name, cand in offered.items():
-            tol = TOLERANCE["bf16" if name in self.bf16 else "exact"]
+            tol = TOLERANCE["a8" if name in ROUNDS_INPUT else "bf16" if name in self.bf16 else "exact"]
             try:  # a kernel missing from this build, or wrong, is left out
                 operands = [cand.pack(w) for w in ws] if cand.pack else ws
                 reference = F.linear(x, cand.rounded(ws[0])) if cand.rounded else exact
@@ -498,7 +504,7 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
     so those are patched (and measured) instead of the five they stand for. Each module's products are then
     arbitrated as a whole (`table.arbitrate`, once per machine and model). bf16: those of `modules` (drafters) whose
     linears may also take the BF16 candidates; a linear that another module holds too (a drafter sharing the base's
-    lm_head) stays exact; quant: those may also take that level's QUANT candidates (draft_precision=q8 or q4).
+    lm_head) stays exact; quant: those may also take that level's QUANT candidates (draft_precision=q8, q4 or q4a8).
     native_layers (with lean):
     each module's lean layers also run as one native call each where a pass through them measures faster so
     (native_layer.attach, after the products are patched). compact: the weights that have an exact compact form

@@ -32,9 +32,10 @@ void smallm_packed(const float *x, const float *wp, float *y, int M, int I, int 
 void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int I, int O, int threads);
 void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
+void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 
 enum { QKV, OUT, GATE_UP, DOWN };   /* a layer's products, in the order it runs them */
-enum { F32, BF16, Q4, Q8 };         /* the form a product's weight is held in (native_layer.FORMATS) */
+enum { F32, BF16, Q4, Q8, Q4A8 };   /* the form a product's weight is held in (native_layer.FORMATS) */
 
 /* A layer's fixed parts: pointers into tensors the Python side keeps alive (native_layer.NativeLayer). */
 typedef struct {
@@ -43,7 +44,7 @@ typedef struct {
     float *keys, *values;                        /* this layer's slot cache, [kv_heads, max_len, d] each */
     int hidden, heads, kv_heads, head_dim, intermediate, max_len;
     float eps, scaling;
-    int formats[4];                              /* each weight's form: F32, BF16, Q4 or Q8 */
+    int formats[4];                              /* each weight's form: F32, BF16, Q4, Q8 or Q4A8 */
 } layer_t;
 
 /* y [M, O] = x [M, I] · wᵀ for the layer's product `which`, by the kernel of its weight's form */
@@ -53,6 +54,7 @@ static void product(const layer_t *L, int which, const float *x, float *y, int M
     case BF16: smallm_packed_bf16(x, (const uint16_t *)w, y, M, I, O, threads); break;
     case Q4: smallm_packed_q4(x, w, y, M, I, O, threads); break;
     case Q8: smallm_packed_q8(x, w, y, M, I, O, threads); break;
+    case Q4A8: smallm_q4a8(x, w, y, M, I, O, threads); break;
     default: smallm_packed(x, (const float *)w, y, M, I, O, threads);
     }
 }

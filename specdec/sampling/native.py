@@ -134,7 +134,7 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     # one by its soname, so both share one thread pool instead of two fighting over the cores
     lib = ctypes.CDLL(str(path))
     products = ("smallm_gemm", "smallm_gemm_bf16", "smallm_packed", "smallm_packed_bf16", "smallm_packed_q4",
-                "smallm_packed_q8")
+                "smallm_packed_q8", "smallm_q4a8")
     for fn in (getattr(lib, name) for name in products if hasattr(lib, name)):  # (an older revision lacks some)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
