@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head, newest
 from specdec.drafters.medusa import ResBlock
 from specdec.sampling import native_chain
 
@@ -87,8 +87,7 @@ class Hydra(Drafter):
         return {"h": None, "paths": NodeTable()}
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
-        h = feats.hidden[LAST]  # [B, n, H]
-        state["h"] = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
+        state["h"] = newest(feats.hidden[LAST], n_new)  # [B, H] newest committed position
         state["paths"] = NodeTable()  # a new round
 
     def expand(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput, copy_lm_head, newest
 
 
 class ResBlock(nn.Module):
@@ -64,9 +64,7 @@ class Medusa(Drafter):
         return {"logits": None}
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
-        h = feats.hidden[LAST]  # [B, n, H]
-        last = h[torch.arange(h.shape[0], device=h.device), n_new - 1]  # [B, H] newest committed position
-        state["logits"] = self.head_logits(last)  # [B, K, V_d]
+        state["logits"] = self.head_logits(newest(feats.hidden[LAST], n_new))  # [B, K, V_d] at the newest position
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:

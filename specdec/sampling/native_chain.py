@@ -308,6 +308,6 @@ def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, 
         chain = chains[gamma] = HeadChain(heads, embed, vocab)
     tokens = torch.empty(1, gamma, dtype=torch.long)
     done = lib.smallm_head_chain(chain.structs, gamma, embed.data_ptr(), None if vocab is None else vocab.data_ptr(),
-                                 chain.hidden, chain.size, h.contiguous().data_ptr(), int(root[0]),
+                                 chain.hidden, chain.size, h.contiguous().data_ptr(), int(root),
                                  chain.work.data_ptr(), torch.get_num_threads(), tokens.data_ptr())
     return tokens if done == 0 else None
