@@ -1,6 +1,7 @@
 import torch
 
 from specdec.base import LAST
+from specdec.drafters.drafter import newest
 from specdec.drafters.medusa import Medusa
 
 
@@ -74,3 +75,11 @@ def test_the_sampler_lays_out_no_queries_for_heads_that_run_no_layers(tiny, monk
     laid.clear()
     again = generate(tiny, [[3, 4, 5, 6]], medusa, cfg)
     assert torch.equal(again.tokens, out.tokens) and len(laid) > 1 + rounds
+
+
+def test_newest_reads_each_rows_newest_committed_position():
+    """drafter.newest: per row h[n_new - 1]; one row (never padded) its last position, as a view."""
+    h = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
+    assert torch.equal(newest(h, torch.tensor([3, 1])), torch.stack([h[0, 2], h[1, 0]]))
+    one = newest(h[:1], torch.tensor([3]))
+    assert torch.equal(one, h[:1, 2]) and one.data_ptr() == h[0, 2].data_ptr()
