@@ -79,6 +79,7 @@ class Prophet(Drafter):
         self.target_offsets = list(range(1, unroll_steps + 1))
         self.head_names = [f"step{j}" for j in range(1, unroll_steps + 1)]
         self.max_depth = None  # a chain can run as deep as the sampler asks
+        self._native_parts: native_chain.ChainParts | None = None  # what the native calls read (`init_state`)
 
     @torch.no_grad()
     def _init_identity(self) -> None:
@@ -191,6 +192,10 @@ class Prophet(Drafter):
     # -- sampling ----------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
         h = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
+        # what the native calls read, looked up once a decode (~10 module attribute reads, ~15 µs twice a round on a
+        # 2-core CPU after a verify); kept on the drafter, not in the state, whose every value a CUDA graph of the whole
+        # draft takes in (draft_graph.py)
+        self._native_parts = self._parts()
         # h: newest committed real feature per row (zero before the prompt); root: the root entry's block output
         # (set by observe); hats: the round's predicted ĥ per node
         return {"h": h, "root": None, "hats": NodeTable()}
@@ -198,21 +203,25 @@ class Prophet(Drafter):
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
         h = self.real_feature(feats.hidden)  # [B, n, H]
         b, n, _ = h.shape
-        rows = torch.arange(b, device=h.device)
+        rows = torch.arange(b, device=h.device) if b > 1 else None
         # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h. One
         # entry more, at index n_new of each row, is the next round's root entry (h_t, x_{t+1}) with x_{t+1} =
         # next_token: computed in this pass over the blocks rather than in a depth-0 `expand` of its own, which
         # would read every block weight a second time for one token.
         prev = torch.cat([state["h"][:, None], h], dim=1)  # [B, n+1, H]
         toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
-        toks[rows, n_new] = next_token
+        if rows is not None:  # (one row has no padding: its n_new is n, where the cat put next_token)
+            toks[rows, n_new] = next_token
         ctx.commit_layout(n + 1)  # the root's slot L_b + n_new_b is index n_new_b of row b
         out = native_chain.entries(  # [B, n+1, H]: one native call where that is taken and faster, else the blocks
-            self, self._parts(), ctx, prev, toks, STORE, POSITION_OFFSET,
+            self, self._native_parts, ctx, prev, toks, STORE, POSITION_OFFSET,
             otherwise=lambda: ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE,
                                              POSITION_OFFSET))
-        state["h"] = h[rows, n_new - 1]  # [B, H]
-        state["root"] = out[rows, n_new][:, None]  # [B, 1, H] the root entry's block output; read out by expand
+        if rows is None:  # one row: its newest feature and its root entry are the last (views, not index ops)
+            state["h"], state["root"] = h[:, -1], out[:, -1:]
+        else:
+            state["h"] = h[rows, n_new - 1]  # [B, H]
+            state["root"] = out[rows, n_new][:, None]  # [B, 1, H] the root entry's block output; read out by expand
         state["hats"] = NodeTable()  # a new round
 
     def expand(
@@ -231,7 +240,7 @@ class Prophet(Drafter):
 
     def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
         """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None."""
-        drafted = native_chain.draft(self, self._parts(), ctx, state["root"], gamma, STORE, POSITION_OFFSET)
+        drafted = native_chain.draft(self, self._native_parts, ctx, state["root"], gamma, STORE, POSITION_OFFSET)
         if drafted is None:
             return None
         tokens, hats = drafted  # [1, γ], [1, γ, H]
