@@ -318,10 +318,11 @@ def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
     w = torch.randn(40, 96) * 0.05
     w[3, 32:64] = 0
     c = compact.quantize_q4a8(w)
-    assert c.kind == "q4a8" and c.nbytes == 3 * 16 * 96 * 5 // 8  # 3 blocks of 16 rows (the last padded), 0.625 B/weight
+    assert c.kind == "q4a8" and c.nbytes == 3 * 16 * 96 * 5 // 8  # 3 blocks of 16 rows (the last padded), 0.625 B
     groups = w.view(40, 3, 32)
-    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15  # within half a step (+ float16's
-    assert bool(((compact.rounded(w, "q4a8") - w).view(40, 3, 32).abs() <= step / 2 * 1.01 + 1e-6).all())  # scales)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    # each weight within half a step of itself (and float16's rounding of the scales)
+    assert bool(((compact.rounded(w, "q4a8") - w).view(40, 3, 32).abs() <= step / 2 * 1.01 + 1e-6).all())
     built = tmp_path / "plain.so"  # smallm.c alone, without -march=native: the plain C sums
     assert native.compile_library(native.find_compiler(), ["-O3"], [native.SOURCE], built)
     plain = native.open_library(built)

@@ -159,7 +159,7 @@ BF16: dict[str, Candidate] = {
 BF16_KEY = "~bf16"  # shape-key suffix of a weight that may take the BF16 candidates
 # the weight rounded to llama.cpp's Q8_0 or Q4_1 blocks (compact.quantize_q8 / quantize_q4 / quantize_q4a8): for a
 # drafter's linears under draft_precision=q8 (Q8_0), q4 (either) or q4a8 (any of them, or Q4_1 blocks multiplied by x
-# rounded to int8: integer dot products), offered beside the BF16 ones, under shape keys suffixed "~q8" / "~q4" / "~q4a8"
+# rounded to int8: integer dot products), offered beside the BF16 ones, under shape keys suffixed "~q8", "~q4", "~q4a8"
 QUANT: dict[str, Candidate] = {
     f"native_{kind}": Candidate(compact.gemm, getattr(compact, f"quantize_{kind}"),
                                 lambda w, k=kind: compact.rounded(w, k))
@@ -238,7 +238,8 @@ class KernelTable:
     # -- measuring -------------------------------------------------------------------------------------
     def _offered(self, shape: str) -> dict[str, Candidate]:
         """The candidates a shape key may use: the exact ones, the BF16 ones for a drafter's weights (and the QUANT ones
-        of its level under draft_precision=q8, q4 or q4a8) and the COMPACT ones for weights with an exact compact form."""
+        of its level under draft_precision=q8, q4 or q4a8) and the COMPACT ones for weights with an exact compact
+        form."""
         rounding = shape.split(COMPACT_KEY)[0]  # "OxI:dtype~bf16~<level>" for a drafter's weight with a level
         level = next((lv for lv in QUANT_LEVELS if rounding.endswith(f"~{lv}")), None)
         quant = {n: c for n, c in self.quant.items() if level is not None and n in QUANT_LEVELS[level]}
@@ -249,8 +250,8 @@ class KernelTable:
         """Measure every shape among `weights` (CPU, 2-D) not yet in the table, on those very weights; re-check
         (once per process) the stored choice of the others, and measure again a shape that fails it. bf16: the
         weights may also take the BF16 candidates (a drafter's, when the sampler allows it), and with quant ("q8",
-        "q4" or "q4a8", its draft_precision) that level's QUANT ones; compact: the COMPACT ones, those that have an exact
-        compact form."""
+        "q4" or "q4a8", its draft_precision) that level's QUANT ones; compact: the COMPACT ones, those that have an
+        exact compact form."""
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
             by_shape.setdefault(_shape_key(w, bf16, compact, quant), []).append(w)

@@ -478,7 +478,7 @@ def _operand(table: KernelTable, form: str):
     if form == "compact":
         exact = _operand(table, "exact")
         return lambda w: compact.form(w) or exact(w)
-    if form in ("q8", "q4", "q4a8"):  # the table's own rounding where it offers it (then shared with the products' kernel)
+    if form in ("q8", "q4", "q4a8"):  # the table's own rounding where it offers it (shared with the products' kernel)
         name = f"native_{form}"
         rounded = (lambda w: table.operand(name, w)) if name in table.quant else getattr(compact, f"quantize_{form}")
         copy = _operand(table, "bf16")
