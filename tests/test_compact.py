@@ -341,7 +341,10 @@ def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
     assert float((compact.gemm(x, c) - exact).abs().max()) < kernels.TOLERANCE["a8"] * float(exact.abs().max())
     with pytest.raises(ValueError):
         compact.quantize_q4a8(torch.randn(8, 40))  # not whole groups
-    table = KernelTable(None, rows=(1, 2))
+    # offered by default only where the library sums with VNNI (its plain C form never wins); given, everywhere
+    assert ("native_q4a8" in KernelTable(None, rows=(1, 2)).quant) == native.int8_dots() == bool(
+        native._library().smallm_q4a8_vnni())
+    table = KernelTable(None, rows=(1, 2), quant=kernels.QUANT)
     assert {"native_q8", "native_q4", "native_q4a8"} <= set(table._offered(_shape_key(w, bf16=True, quant="q4a8")))
     for other in ("q4", "q8"):
         assert "native_q4a8" not in table._offered(_shape_key(w, bf16=True, quant=other))

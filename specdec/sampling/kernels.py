@@ -205,7 +205,11 @@ class KernelTable:
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
         self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys with BF16_KEY
         self.compact = dict(COMPACT if compact is None else compact)  # offered to shape keys with COMPACT_KEY
-        self.quant = dict(QUANT if quant is None else quant)  # offered to shape keys with a "~q8" / "~q4" suffix
+        # offered to shape keys with a "~q8" / "~q4" / "~q4a8" suffix (by default q4a8's only where it sums with
+        # integer dot products: its plain C form is never the faster, and timing it at up to 256 rows takes seconds)
+        self.quant = dict(QUANT if quant is None else quant)
+        if quant is None and not native.int8_dots():
+            self.quant = {n: c for n, c in self.quant.items() if n not in ROUNDS_INPUT}
         self.rows = rows
         self.key = machine_key()
         self.choice: dict[str, dict[int, str]] = {}  # "OxI" -> {row bucket: kernel name}

@@ -401,7 +401,8 @@ def attach(module: nn.Module, table: KernelTable, bf16: bool = False, exact: Col
 
     ways = {"native": forms("exact")}
     for name in QUANT_LEVELS.get(quant, ()) if bf16 else ():  # "native_q8", "native_q4", ...: forms "q8", "q4", ...
-        ways[name.removeprefix("native_")] = forms("exact", name.removeprefix("native_"))
+        if name in table.quant:  # (q4a8's only where the table offers it: see KernelTable)
+            ways[name.removeprefix("native_")] = forms("exact", name.removeprefix("native_"))
     if compact:
         held = forms("compact")
         if any(isinstance(p, Compact) for l in held.values() if l.form == "compact" for p in l.packed):

@@ -427,7 +427,7 @@ session, compact.gemm timed in a loop, evicted before each call for the second p
 Layout (compact.pack_q4a8), per block of A8_ROWS output rows and per group of 32 columns: d [16] and m [16] float16,
 then 4 units of 64 bytes; byte 4r + k of unit u holds row r's code of column 4u + k in its low nibble and of column
 16 + 4u + k in its high one: 0.625 bytes per weight. Without VNNI the same sums in plain C (correct, far slower: the
-kernel table then never picks it). */
+kernel table does not offer it there, native.int8_dots). */
 #define A8_ROWS 16                                   /* output rows per block: one 32-bit lane each */
 #define A8_UNIT 64                                   /* bytes per unit: 16 rows × 4 columns, two nibbles a byte */
 #define A8_GROUP_BYTES (2 * A8_ROWS * 2 + 4 * A8_UNIT) /* the scales and the 4 units of one group: 320 */
