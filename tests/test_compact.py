@@ -312,8 +312,9 @@ def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
     """draft_precision=q4a8 (compact.quantize_q4a8, smallm_q4a8): a drafter's weight rounded to Q4_1 blocks with float16
     scales (0.625 bytes per weight), each input row rounded to int8 per group of 32, multiplied as integers: the kernel
     gives those sums (q4a8_reference) at every row count and block height, for a partial last block of 16 rows, an
-    all-zero input group and an all-zero weight group; the plain C build (no VNNI: a CPU without it) gives them too. The
-    kernel table offers it only under q4a8, never to q4's or q8's keys."""
+    all-zero input group and an all-zero weight group; the plain C build and the AVX2 one (a CPU without VNNI; the latter
+    where this CPU runs AVX2) give them too. The kernel table offers it only under q4a8, never to q4's or q8's keys, and
+    by default only where it sums with SIMD dot products."""
     torch.manual_seed(0)
     w = torch.randn(40, 96) * 0.05
     w[3, 32:64] = 0
@@ -323,27 +324,34 @@ def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
     step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
     # each weight within half a step of itself (and float16's rounding of the scales)
     assert bool(((compact.rounded(w, "q4a8") - w).view(40, 3, 32).abs() <= step / 2 * 1.01 + 1e-6).all())
-    built = tmp_path / "plain.so"  # smallm.c alone, without -march=native: the plain C sums
-    assert native.compile_library(native.find_compiler(), ["-O3"], [native.SOURCE], built)
-    plain = native.open_library(built)
-    assert plain.smallm_q4a8_vnni() == 0
+    builds = {0: ["-O3"]}  # smallm.c alone, without -march=native: the plain C sums; and AVX2's where it runs here
+    if {"avx2", "fma", "f16c"} <= set(native.cpu_fields().get("flags", "").split()):
+        builds[1] = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+    others = []
+    for simd, flags in builds.items():
+        built = tmp_path / f"smallm_{simd}.so"
+        assert native.compile_library(native.find_compiler(), flags, [native.SOURCE], built)
+        others.append(native.open_library(built))
+        assert others[-1].smallm_q4a8_simd() == simd
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 96)
         x[0, :32] = 0
         want = q4a8_reference(x, w)
         torch.testing.assert_close(compact.gemm(x, c), want, rtol=1e-5, atol=1e-5)
-        got = torch.empty(rows, 40)
-        plain.smallm_q4a8(x.data_ptr(), c.blocks.data_ptr(), got.data_ptr(), rows, 96, 40, 1)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for lib in others:
+            got = torch.empty(rows, 40)
+            lib.smallm_q4a8(x.data_ptr(), c.blocks.data_ptr(), got.data_ptr(), rows, 96, 40, 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # against the float32 product of the rounded weights: off by x's rounding only (~1 % of the largest output)
     x = torch.randn(4, 96)
     exact = x @ compact.rounded(w, "q4a8").T
     assert float((compact.gemm(x, c) - exact).abs().max()) < kernels.TOLERANCE["a8"] * float(exact.abs().max())
     with pytest.raises(ValueError):
         compact.quantize_q4a8(torch.randn(8, 40))  # not whole groups
-    # offered by default only where the library sums with VNNI (its plain C form never wins); given, everywhere
+    # offered by default only where the library sums with SIMD dot products (its plain C form never wins); given,
+    # everywhere
     assert ("native_q4a8" in KernelTable(None, rows=(1, 2)).quant) == native.int8_dots() == bool(
-        native._library().smallm_q4a8_vnni())
+        native._library().smallm_q4a8_simd())
     table = KernelTable(None, rows=(1, 2), quant=kernels.QUANT)
     assert {"native_q8", "native_q4", "native_q4a8"} <= set(table._offered(_shape_key(w, bf16=True, quant="q4a8")))
     for other in ("q4", "q8"):

@@ -82,7 +82,7 @@ class SamplerConfig:
     # that measures faster (prophet recipe, γ = 3, 2-core Xeon: 18 % less drafting per round than bf16, τ unchanged;
     # experiments/results/ab/prophet_draft_precision_q8.md). q4 = as q8, and Q4_1 blocks too (0.75 bytes per weight;
     # each moves by at most 1/30 of its block's range). q4a8 = as q4, and Q4_1 blocks multiplied by the linear's input
-    # rounded to int8 per group of 32 too (0.625 bytes per weight; integer dot products where the CPU has AVX-512 VNNI).
+    # rounded to int8 per group of 32 too (0.625 bytes per weight; integer dot products: AVX-512 VNNI, or AVX2's).
     draft_precision: str = "q8"
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the

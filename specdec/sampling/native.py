@@ -152,9 +152,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     if hasattr(lib, "smallm_fma_peak"):
         lib.smallm_fma_peak.restype = ctypes.c_double
         lib.smallm_fma_peak.argtypes = [ctypes.c_int]
-    if hasattr(lib, "smallm_q4a8_vnni"):  # (an older revision's library lacks it)
-        lib.smallm_q4a8_vnni.restype = ctypes.c_int
-        lib.smallm_q4a8_vnni.argtypes = []
+    if hasattr(lib, "smallm_q4a8_simd"):  # (an older revision's library lacks it)
+        lib.smallm_q4a8_simd.restype = ctypes.c_int
+        lib.smallm_q4a8_simd.argtypes = []
     if hasattr(lib, "smallm_evict"):  # (an older revision's library lacks it)
         lib.smallm_evict.restype = None
         lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
@@ -245,10 +245,11 @@ def fma_peak(threads: int) -> float:
 
 
 def int8_dots() -> bool:
-    """Whether the library's q4a8 product (smallm_q4a8) sums with the CPU's integer dot products (AVX-512 VNNI); its
-    plain C form elsewhere is correct but never the faster, so the kernel table does not offer it there."""
+    """Whether the library's q4a8 product (smallm_q4a8) sums with the CPU's integer dot products (AVX-512 VNNI, or
+    AVX2's multiply-adds); its plain C form elsewhere is correct but never the faster, so the kernel table does not
+    offer it there."""
     lib = _load()
-    return lib is not None and hasattr(lib, "smallm_q4a8_vnni") and bool(lib.smallm_q4a8_vnni())
+    return lib is not None and hasattr(lib, "smallm_q4a8_simd") and lib.smallm_q4a8_simd() > 0
 
 
 def evict(t: torch.Tensor) -> None:

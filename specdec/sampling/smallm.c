@@ -426,8 +426,9 @@ to int8 (x ≈ s·xq, s = the group's largest magnitude / 127) and the codes mul
 session, compact.gemm timed in a loop, evicted before each call for the second pair).
 Layout (compact.pack_q4a8), per block of A8_ROWS output rows and per group of 32 columns: d [16] and m [16] float16,
 then 4 units of 64 bytes; byte 4r + k of unit u holds row r's code of column 4u + k in its low nibble and of column
-16 + 4u + k in its high one: 0.625 bytes per weight. Without VNNI the same sums in plain C (correct, far slower: the
-kernel table does not offer it there, native.int8_dots). */
+16 + 4u + k in its high one: 0.625 bytes per weight. With AVX2 alone the same sums by vpmaddubsw and vpmaddwd (three
+instructions where VNNI has one, on half the lanes); with neither, in plain C (correct, far slower: the kernel table does
+not offer it there, native.int8_dots). */
 #define A8_ROWS 16                                   /* output rows per block: one 32-bit lane each */
 #define A8_UNIT 64                                   /* bytes per unit: 16 rows × 4 columns, two nibbles a byte */
 #define A8_GROUP_BYTES (2 * A8_ROWS * 2 + 4 * A8_UNIT) /* the scales and the 4 units of one group: 320 */
@@ -509,6 +510,61 @@ static inline void a8_store(float *y, const float *acc, int O, int o) {
             for (int m = 0; m < (MB); m++) { \
                 float out[A8_ROWS]; \
                 _mm512_storeu_ps(out, acc[m]); \
+                a8_store(y + (size_t)m * O, out, O, b * A8_ROWS); \
+            } \
+        } \
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 without VNNI: a unit's two halves (rows 0-7, 8-15) at a time; vpmaddubsw multiplies code·xq pairs into int16
+   sums (at most 2·15·127: no saturation) and vpmaddwd adds those pairs into int32 lanes, 4 columns a lane as above */
+#define A8_BLOCK(NAME, MB) \
+    static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
+        const int groups = I / QGROUP; \
+        int8_t xq[(MB) * I]; \
+        float s[(MB) * groups], sx[(MB) * groups]; \
+        for (int m = 0; m < (MB); m++) \
+            a8_round(x + (size_t)m * I, I, xq + (size_t)m * I, s + m * groups, sx + m * groups); \
+        const __m256i nibble = _mm256_set1_epi8(15), pairs = _mm256_set1_epi16(1); \
+        const int ahead = qprefetch[1]; \
+        for (int b = b0; b < b1; b++) { \
+            __m256 acc[MB][2]; \
+            for (int m = 0; m < (MB); m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps(); \
+            for (int g = 0; g < groups; g++) { \
+                const uint8_t *grp = (const uint8_t *)wp + ((size_t)b * groups + g) * A8_GROUP_BYTES; \
+                for (int line = 0; line < A8_GROUP_BYTES; line += 64) __builtin_prefetch(grp + ahead + line, 0, 3); \
+                for (int half = 0; half < 2; half++) { \
+                    __m256i sums[MB]; \
+                    for (int m = 0; m < (MB); m++) sums[m] = _mm256_setzero_si256(); \
+                    for (int u = 0; u < 4; u++) { \
+                        const __m256i v = \
+                            _mm256_loadu_si256((const __m256i *)(grp + 4 * A8_ROWS + u * A8_UNIT + 32 * half)); \
+                        const __m256i q0 = _mm256_and_si256(v, nibble); \
+                        const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble); \
+                        for (int m = 0; m < (MB); m++) { \
+                            const int8_t *xg = xq + (size_t)m * I + (size_t)g * QGROUP + 4 * u; \
+                            int32_t c0, c1; \
+                            __builtin_memcpy(&c0, xg, 4); \
+                            __builtin_memcpy(&c1, xg + 16, 4); \
+                            const __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_set1_epi32(c0)); \
+                            const __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_set1_epi32(c1)); \
+                            sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), pairs)); \
+                        } \
+                    } \
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + 16 * half))); \
+                    const __m256 off = \
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + 2 * A8_ROWS + 16 * half))); \
+                    for (int m = 0; m < (MB); m++) { \
+                        acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m]), \
+                                                       _mm256_mul_ps(d, _mm256_set1_ps(s[m * groups + g])), \
+                                                       acc[m][half]); \
+                        acc[m][half] = _mm256_fmadd_ps(off, _mm256_set1_ps(sx[m * groups + g]), acc[m][half]); \
+                    } \
+                } \
+            } \
+            for (int m = 0; m < (MB); m++) { \
+                float out[A8_ROWS]; \
+                _mm256_storeu_ps(out, acc[m][0]); \
+                _mm256_storeu_ps(out + 8, acc[m][1]); \
                 a8_store(y + (size_t)m * O, out, O, b * A8_ROWS); \
             } \
         } \
@@ -644,9 +700,11 @@ void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, 
     gemm(A8, A8_HEIGHT, (O + A8_ROWS - 1) / A8_ROWS, 1, x, wp, y, M, I, O, threads);
 }
 
-/* whether smallm_q4a8 runs on the CPU's integer dot products (AVX-512 VNNI), not the plain C sums */
-int smallm_q4a8_vnni(void) {
+/* which integer dot products smallm_q4a8 sums with: 2 AVX-512 VNNI, 1 AVX2's multiply-adds, 0 none (plain C) */
+int smallm_q4a8_simd(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;
