@@ -463,6 +463,13 @@ static void a8_round(const float *x, int I, int8_t *xq, float *s, float *sx) {
     }
 }
 
+/* a block's MB rows of x rounded (a8_round), in its scope: xq [MB·I] int8, s and sx [MB·groups] */
+#define A8_ROUNDED_ROWS(MB) \
+    const int groups = I / QGROUP; \
+    int8_t xq[(MB) * I]; \
+    float s[(MB) * groups], sx[(MB) * groups]; \
+    for (int m = 0; m < (MB); m++) a8_round(x + (size_t)m * I, I, xq + (size_t)m * I, s + m * groups, sx + m * groups)
+
 static inline void a8_store(float *y, const float *acc, int O, int o) {
     const int n = O - o < A8_ROWS ? O - o : A8_ROWS;
     for (int r = 0; r < n; r++) y[o + r] = acc[r];
@@ -471,19 +478,14 @@ static inline void a8_store(float *y, const float *acc, int O, int o) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_BLOCK(NAME, MB) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
-        const int groups = I / QGROUP; \
-        int8_t xq[(MB) * I]; \
-        float s[(MB) * groups], sx[(MB) * groups]; \
-        for (int m = 0; m < (MB); m++) \
-            a8_round(x + (size_t)m * I, I, xq + (size_t)m * I, s + m * groups, sx + m * groups); \
+        A8_ROUNDED_ROWS(MB); \
         const __m512i nibble = _mm512_set1_epi8(15); \
         const int ahead = qprefetch[1]; \
         for (int b = b0; b < b1; b++) { \
             __m512 acc[MB]; \
             for (int m = 0; m < (MB); m++) acc[m] = _mm512_setzero_ps(); \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = (const uint8_t *)wp + ((size_t)b * groups + g) * A8_GROUP_BYTES; \
-                for (int line = 0; line < A8_GROUP_BYTES; line += 64) __builtin_prefetch(grp + ahead + line, 0, 3); \
+                const uint8_t *grp = q_group(wp, b, g, groups, A8_GROUP_BYTES, ahead); \
                 __m512i lo[MB], hi[MB]; \
                 for (int m = 0; m < (MB); m++) lo[m] = hi[m] = _mm512_setzero_si512(); \
                 for (int u = 0; u < 4; u++) { \
@@ -519,19 +521,14 @@ static inline void a8_store(float *y, const float *acc, int O, int o) {
    sums (at most 2·15·127: no saturation) and vpmaddwd adds those pairs into int32 lanes, 4 columns a lane as above */
 #define A8_BLOCK(NAME, MB) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
-        const int groups = I / QGROUP; \
-        int8_t xq[(MB) * I]; \
-        float s[(MB) * groups], sx[(MB) * groups]; \
-        for (int m = 0; m < (MB); m++) \
-            a8_round(x + (size_t)m * I, I, xq + (size_t)m * I, s + m * groups, sx + m * groups); \
+        A8_ROUNDED_ROWS(MB); \
         const __m256i nibble = _mm256_set1_epi8(15), pairs = _mm256_set1_epi16(1); \
         const int ahead = qprefetch[1]; \
         for (int b = b0; b < b1; b++) { \
             __m256 acc[MB][2]; \
             for (int m = 0; m < (MB); m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps(); \
             for (int g = 0; g < groups; g++) { \
-                const uint8_t *grp = (const uint8_t *)wp + ((size_t)b * groups + g) * A8_GROUP_BYTES; \
-                for (int line = 0; line < A8_GROUP_BYTES; line += 64) __builtin_prefetch(grp + ahead + line, 0, 3); \
+                const uint8_t *grp = q_group(wp, b, g, groups, A8_GROUP_BYTES, ahead); \
                 for (int half = 0; half < 2; half++) { \
                     __m256i sums[MB]; \
                     for (int m = 0; m < (MB); m++) sums[m] = _mm256_setzero_si256(); \
@@ -572,11 +569,7 @@ static inline void a8_store(float *y, const float *acc, int O, int o) {
 #else
 #define A8_BLOCK(NAME, MB) \
     static void NAME(const float *x, const void *wp, float *y, int I, int O, int b0, int b1) { \
-        const int groups = I / QGROUP; \
-        int8_t xq[(MB) * I]; \
-        float s[(MB) * groups], sx[(MB) * groups]; \
-        for (int m = 0; m < (MB); m++) \
-            a8_round(x + (size_t)m * I, I, xq + (size_t)m * I, s + m * groups, sx + m * groups); \
+        A8_ROUNDED_ROWS(MB); \
         for (int b = b0; b < b1; b++) { \
             float acc[MB][A8_ROWS]; \
             for (int m = 0; m < (MB); m++) \
