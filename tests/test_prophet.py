@@ -306,3 +306,21 @@ def test_on_smollm2():
     assert torch.equal(logits[..., 0, :].argmax(-1), feats.logits.argmax(-1))  # fresh = the base's head on h_t
     cfg = SamplerConfig(max_new_tokens=12, tree="chain", gamma=3)
     assert torch.equal(generate(real, ids.tolist(), d, cfg).tokens, generate(real, ids.tolist(), None, cfg).tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_observe_keeps_its_state_through_the_next_verify(base, monkeypatch, rows):
+    """One row's observe keeps its newest feature and root entry as views of the verify's outputs: each verify must
+    make new ones (a reused buffer would hand the next round's observe the wrong h_{t}: lossless still, a lower τ)."""
+    d = randomized(Prophet(base)).eval()
+    observe, seen = Prophet.observe, []
+
+    def checked(self, state, ctx, feats, tokens, n_new, next_token):
+        if "kept" in state:
+            seen.append(all(torch.equal(state[k], v) for k, v in state["kept"].items()))
+        observe(self, state, ctx, feats, tokens, n_new, next_token)
+        state["kept"] = {k: state[k].clone() for k in ("h", "root")}
+
+    monkeypatch.setattr(Prophet, "observe", checked)
+    generate(base, [list(range(5, 17))] * rows, d, SamplerConfig(max_new_tokens=12, gamma=3, eos_token_id=[]))
+    assert len(seen) > 3 and all(seen)
