@@ -295,7 +295,7 @@ def test_block_rounding_for_a_drafter_moves_each_weight_by_at_most_half_a_step(k
 def q4a8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """smallm_q4a8's sums in float64: x [M, I] rounded per group of 32 as the kernel rounds it (xq = rint(x·127/most),
     s = most/127, in float32), the codes' integer dot products with xq, then Σ_g d·s·(Σ q·xq) + m·Σ x."""
-    d, m, q = compact._q4a8_rounded(w)  # [O, G, 1], [O, G, 1], [O, G, 32]
+    d, m, q = compact._q4_rounded(w, half_scales=True)  # [O, G, 1], [O, G, 1], [O, G, 32]
     rows, i = x.shape
     g = x.view(rows, i // 32, 32)
     most = g.abs().amax(-1, keepdim=True)

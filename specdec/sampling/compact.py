@@ -189,6 +189,10 @@ def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 A8_ROWS = 16  # output rows per block of the q4a8 layout (smallm.c's A8_ROWS)
+# how far a q4a8 product may be from the float32 product of its rounded weights, as a fraction of the output's largest
+# magnitude: x rounded to int8 per group of 32 moves each product by up to ~1 % of it (the kernel table's check, and
+# a native layer's against its lean form)
+A8_TOLERANCE = 5e-2
 
 
 def pack_q4a8(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -220,21 +224,14 @@ def _q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d, _codes(g, d, -127, 127)
 
 
-def _q4_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q4_1 rounding with float32 scales (per 32 weights of a row: m = their minimum, d = their range / 15,
-    q = round((w − m) / d) in 0..15): d, m [O, G, 1], q [O, G, 32]."""
+def _q4_rounded(w: torch.Tensor, half_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 rounding (per 32 weights of a row: m = their minimum, d = their range / 15, q = round((w − m) /
+    d) in 0..15), the scales float32 or, with half_scales (q4a8's layout; llama.cpp's own), each rounded to float16
+    before q is taken: d, m [O, G, 1], q [O, G, 32]."""
     g = _rounding_groups(w, "Q4_1")
-    m = g.amin(-1, keepdim=True)
-    d = (g.amax(-1, keepdim=True) - m) / 15
-    return d, m, _codes(g - m, d, 0, 15)
-
-
-def _q4a8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 rounding with float16 scales (llama.cpp's own): m = the group's minimum and d = its range / 15, each rounded
-    to float16, q = round((w − m) / d) in 0..15: d, m [O, G, 1] float32 holding float16 values, q [O, G, 32]."""
-    g = _rounding_groups(w, "Q4_1")
-    m = g.amin(-1, keepdim=True).half().float()
-    d = ((g.amax(-1, keepdim=True) - m) / 15).half().float()
+    scale = (lambda t: t.half().float()) if half_scales else (lambda t: t)
+    m = scale(g.amin(-1, keepdim=True))
+    d = scale((g.amax(-1, keepdim=True) - m) / 15)
     return d, m, _codes(g - m, d, 0, 15)
 
 
@@ -258,10 +255,10 @@ def quantize_q4(w: torch.Tensor) -> Compact:
 
 @torch.no_grad()
 def quantize_q4a8(w: torch.Tensor) -> Compact:
-    """w ROUNDED to Q4_1 blocks with float16 scales (`_q4a8_rounded`) in the q4a8 layout, whose product also rounds x to
+    """w ROUNDED to Q4_1 blocks with float16 scales (`_q4_rounded`) in the q4a8 layout, whose product also rounds x to
     int8 per group of 32 (0.625 bytes per weight, a few integer ops per 64 of them): for a drafter's weights under
     draft_precision=q4a8, as quantize_q8; raises where a row is not whole groups."""
-    d, m, q = _q4a8_rounded(w)
+    d, m, q = _q4_rounded(w, half_scales=True)
     return Compact("q4a8", pack_q4a8(d.squeeze(-1).half(), m.squeeze(-1).half(), q.to(torch.uint8).flatten(1)),
                    *w.shape)
 
@@ -273,7 +270,7 @@ def rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "q8":
         d, q = _q8_rounded(w)
         return (d * q).flatten(1)
-    d, m, q = _q4a8_rounded(w) if kind == "q4a8" else _q4_rounded(w)
+    d, m, q = _q4_rounded(w, half_scales=kind == "q4a8")
     return torch.addcmul(m, d, q).flatten(1)  # d·q + m, as the kernel's fma (one rounding)
 
 

@@ -174,8 +174,8 @@ COMPACT_KEY = "~exact-"  # shape-key suffix (+ the form's kind) of a weight that
 # A candidate passes its check when within this fraction of the output's largest magnitude of the exact product (a
 # bf16 weight is off by up to 2^-9 of itself; the sum of 576-1536 such products stays well inside 2 %)
 # (a rounding candidate is checked against the product of the weight it rounded to, so to the exact tolerance)
-# (x rounded to int8 per group of 32 moves each product by up to ~1 % of the output's largest magnitude)
-TOLERANCE = {"exact": 1e-3, "bf16": 2e-2, "a8": 5e-2}
+# (a candidate that rounds x too: compact.A8_TOLERANCE)
+TOLERANCE = {"exact": 1e-3, "bf16": 2e-2, "a8": compact.A8_TOLERANCE}
 DEFAULT_CACHE = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "kernels.json"
 
 

@@ -299,9 +299,10 @@ def _agrees(layer: NativeLayer, n: int) -> bool:
         ref, got = outs
         if got is None or not bool(torch.isfinite(got).all()):
             return False
-        # compared on what the layer adds to its input: the residual would hide an error in it (inputs rounded to int8
-        # per group of 32 move each product by up to ~1 % of its largest output)
-        if float((got - ref).abs().max()) > (5e-2 if layer.rounds_inputs else 1e-4) * float((ref - hidden).abs().max()):
+        # compared on what the layer adds to its input: the residual would hide an error in it (a q4a8 layer's products
+        # round their inputs too: compact.A8_TOLERANCE)
+        tolerance = compact.A8_TOLERANCE if layer.rounds_inputs else 1e-4
+        if float((got - ref).abs().max()) > tolerance * float((ref - hidden).abs().max()):
             return False
     return True
 
