@@ -50,8 +50,8 @@ def held_bytes(w: torch.Tensor, precision: str) -> float:
     q4, q8: where its rows are whole groups of 32), bfloat16, or float32."""
     exact = compact.form(w)
     blocks = w.shape[1] % 32 == 0
-    rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.125 if blocks else 2.0,
-               "q4": 0.75 if blocks else 2.0, "q4a8": 0.625 if blocks else 2.0}[precision] * w.numel()
+    rounded = {"fp32": 4.0, "bf16": 2.0, "q8": 1.0625 if blocks else 2.0,
+               "q4": 0.625 if blocks else 2.0, "q4a8": 0.625 if blocks else 2.0}[precision] * w.numel()
     return min(exact.nbytes, rounded) if exact is not None else rounded
 
 

@@ -16,9 +16,9 @@ weight) simply has none, and the kernels that read float32 serve it.
 
 Layouts (what the kernels read), per packed block of R output rows (R = smallm_pack_rows(), 2·V with V lanes per
 vector) and per group of 32 input columns, the groups of a block consecutive:
-  q4:   d [R] float32, m [R] float32, then 32 columns of V bytes: byte k holds row k's q (low nibble) and row
-        k + V's (high nibble)                                                            -> 0.75 bytes per weight
-  q8:   d [R] float32, then 32 columns of R int8                                           -> 1.125 bytes per weight
+  q4:   d [R] float16, m [R] float16, then 32 columns of V bytes: byte k holds row k's q (low nibble) and row
+        k + V's (high nibble)                                                           -> 0.625 bytes per weight
+  q8:   d [R] float16, then 32 columns of R int8                                          -> 1.0625 bytes per weight
   bf16: smallm_packed's layout over the bfloat16 values (native.pack)                      -> 2 bytes per weight
 and, for a drafter's weights only (rounded, never exact), per block of 16 output rows and group of 32 columns:
   q4a8: d [16] float16, m [16] float16, then 4 units of 64 bytes: byte 4r + k of unit u holds row r's q of column
@@ -164,26 +164,27 @@ def _blocked(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.view(-1, rows, *t.shape[1:])
 
 
-def pack_q4(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The q4 layout (module docstring) as uint8 [blocks·G·(8R + 16R)]."""
-    r = native._library().smallm_pack_rows()
+def pack_q4(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, r: int | None = None) -> torch.Tensor:
+    """The q4 layout (module docstring) as uint8 [blocks·G·(4R + 16R)]: d, m [O, G] holding float16 numbers; R the
+    library's block rows unless given (a test packs for a library built for other vectors)."""
+    r = r or native._library().smallm_pack_rows()
     v = r // 2
     o, i = q.shape
     gs = i // GROUP
-    scales = torch.stack([_blocked(d, r), _blocked(m, r)], 1)  # [nb, 2, R, G]
-    scales = scales.permute(0, 3, 1, 2).contiguous().view(torch.uint8).flatten(2)  # [nb, G, 2·R·4] bytes
+    scales = torch.stack([_blocked(d.half(), r), _blocked(m.half(), r)], 1)  # [nb, 2, R, G]
+    scales = scales.permute(0, 3, 1, 2).contiguous().view(torch.uint8).flatten(2)  # [nb, G, 2·R·2] bytes
     qb = _blocked(q, r).view(-1, r, gs, GROUP)  # [nb, R, G, 32]
     nib = qb[:, :v] | (qb[:, v:] << 4)  # [nb, V, G, 32]: row k low, row k + V high
     nib = nib.permute(0, 2, 3, 1).reshape(-1, gs, GROUP * v)  # [nb, G, 32·V]: column by column
     return native.huge_pages(torch.cat([scales, nib], -1).reshape(-1).contiguous())
 
 
-def pack_q8(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The q8 layout (module docstring) as uint8 [blocks·G·(4R + 32R)]."""
-    r = native._library().smallm_pack_rows()
+def pack_q8(d: torch.Tensor, q: torch.Tensor, r: int | None = None) -> torch.Tensor:
+    """The q8 layout (module docstring) as uint8 [blocks·G·(2R + 32R)]: d [O, G] holding float16 numbers; R as pack_q4."""
+    r = r or native._library().smallm_pack_rows()
     o, i = q.shape
     gs = i // GROUP
-    scales = _blocked(d, r).permute(0, 2, 1).contiguous().view(torch.uint8)  # [nb, G, R·4] bytes
+    scales = _blocked(d.half(), r).permute(0, 2, 1).contiguous().view(torch.uint8)  # [nb, G, R·2] bytes
     qb = _blocked(q, r).view(-1, r, gs, GROUP).permute(0, 2, 3, 1).reshape(-1, gs, GROUP * r)  # [nb, G, 32·R]
     return native.huge_pages(torch.cat([scales, qb.view(torch.uint8)], -1).reshape(-1).contiguous())
 
@@ -216,22 +217,25 @@ def _rounding_groups(w: torch.Tensor, kind: str) -> torch.Tensor:
     return w.detach().view(o, i // GROUP, GROUP)
 
 
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to float16 numbers (the layouts' scales), held in float32."""
+    return t.half().float()
+
+
 def _q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q8_0 rounding (per 32 weights of a row: d = their largest magnitude / 127 in float32, q = round(w /
-    d)): d [O, G, 1], q [O, G, 32]."""
+    """llama.cpp's Q8_0 rounding (per 32 weights of a row: d = their largest magnitude / 127 rounded to float16, q =
+    round(w / d)): d [O, G, 1], q [O, G, 32]."""
     g = _rounding_groups(w, "Q8_0")
-    d = g.abs().amax(-1, keepdim=True) / 127
+    d = _half(g.abs().amax(-1, keepdim=True) / 127)
     return d, _codes(g, d, -127, 127)
 
 
-def _q4_rounded(w: torch.Tensor, half_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q4_1 rounding (per 32 weights of a row: m = their minimum, d = their range / 15, q = round((w − m) /
-    d) in 0..15), the scales float32 or, with half_scales (q4a8's layout; llama.cpp's own), each rounded to float16
-    before q is taken: d, m [O, G, 1], q [O, G, 32]."""
+def _q4_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 rounding (per 32 weights of a row: m = their minimum, d = their range / 15, each rounded to
+    float16 before q = round((w − m) / d) in 0..15 is taken): d, m [O, G, 1], q [O, G, 32]."""
     g = _rounding_groups(w, "Q4_1")
-    scale = (lambda t: t.half().float()) if half_scales else (lambda t: t)
-    m = scale(g.amin(-1, keepdim=True))
-    d = scale((g.amax(-1, keepdim=True) - m) / 15)
+    m = _half(g.amin(-1, keepdim=True))
+    d = _half((g.amax(-1, keepdim=True) - m) / 15)
     return d, m, _codes(g - m, d, 0, 15)
 
 
@@ -246,7 +250,7 @@ def quantize_q8(w: torch.Tensor) -> Compact:
 
 @torch.no_grad()
 def quantize_q4(w: torch.Tensor) -> Compact:
-    """w ROUNDED to Q4_1 blocks (`_q4_rounded`) in the q4 layout (0.75 bytes per weight against Q8_0's 1.125): for a
+    """w ROUNDED to Q4_1 blocks (`_q4_rounded`) in the q4 layout (0.625 bytes per weight against Q8_0's 1.0625): for a
     drafter's weights under draft_precision=q4, as quantize_q8. Each weight moves by at most d/2, 1/30 of its group's
     range; raises where a row is not whole groups."""
     d, m, q = _q4_rounded(w)
@@ -255,10 +259,10 @@ def quantize_q4(w: torch.Tensor) -> Compact:
 
 @torch.no_grad()
 def quantize_q4a8(w: torch.Tensor) -> Compact:
-    """w ROUNDED to Q4_1 blocks with float16 scales (`_q4_rounded`) in the q4a8 layout, whose product also rounds x to
+    """w ROUNDED to Q4_1 blocks (`_q4_rounded`) in the q4a8 layout, whose product also rounds x to
     int8 per group of 32 (0.625 bytes per weight, a few integer ops per 64 of them): for a drafter's weights under
     draft_precision=q4a8, as quantize_q8; raises where a row is not whole groups."""
-    d, m, q = _q4_rounded(w, half_scales=True)
+    d, m, q = _q4_rounded(w)
     return Compact("q4a8", pack_q4a8(d.squeeze(-1).half(), m.squeeze(-1).half(), q.to(torch.uint8).flatten(1)),
                    *w.shape)
 
@@ -270,7 +274,7 @@ def rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "q8":
         d, q = _q8_rounded(w)
         return (d * q).flatten(1)
-    d, m, q = _q4_rounded(w, half_scales=kind == "q4a8")
+    d, m, q = _q4_rounded(w)
     return torch.addcmul(m, d, q).flatten(1)  # d·q + m, as the kernel's fma (one rounding)
 
 

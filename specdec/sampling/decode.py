@@ -78,11 +78,11 @@ class SamplerConfig:
     # is accepted: the base's products stay exact, so decoding stays lossless. fp32 = the drafter's own weights.
     # (Prophet recipe, γ = 4, Zen 4 EPYC: 15 % less drafting per round, τ unchanged; experiments/README.md.)
     # q8 (the default) = as bf16, and the drafter's linears and native layers may also multiply with its weights rounded
-    # to llama.cpp's Q8_0 blocks (1.125 bytes per weight; each moves by at most 1/254 of its block's largest), where
+    # to llama.cpp's Q8_0 blocks (1.0625 bytes per weight; each moves by at most 1/254 of its block's largest), where
     # that measures faster (prophet recipe, γ = 3, 2-core Xeon: 18 % less drafting per round than bf16, τ unchanged;
-    # experiments/results/ab/prophet_draft_precision_q8.md). q4 = as q8, and Q4_1 blocks too (0.75 bytes per weight;
+    # experiments/results/ab/prophet_draft_precision_q8.md). q4 = as q8, and Q4_1 blocks too (0.625 bytes per weight;
     # each moves by at most 1/30 of its block's range). q4a8 = as q4, and Q4_1 blocks multiplied by the linear's input
-    # rounded to int8 per group of 32 too (0.625 bytes per weight; integer dot products: AVX-512 VNNI, or AVX2's).
+    # rounded to int8 per group of 32 too (the same bytes; integer dot products: AVX-512 VNNI, or AVX2's).
     draft_precision: str = "q8"
     # N-gram lookup (lookup.py): a round whose context's last min..max_ngram tokens occurred before proposes the
     # (up to lookup_tokens) tokens that followed them instead of running the drafter; 0 = off. With no drafter, the

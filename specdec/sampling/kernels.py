@@ -20,8 +20,8 @@ A drafter's linears may also be offered the BF16 candidates, which multiply with
 the bytes to stream; x and the sums stay float32): a rounded drafter weight changes what is drafted, never what the
 base accepts, so verification stays lossless. They are measured beside the exact ones and used only where faster,
 under a shape key of their own; the base's products never see them. Under draft_precision=q8 they are also offered
-the Q8 candidate: the weight rounded to llama.cpp's Q8_0 blocks (1.125 bytes per weight, the compact q8 kernel); under
-q4 the Q4 one too (Q4_1 blocks, 0.75 bytes per weight, the compact q4 kernel).
+the Q8 candidate: the weight rounded to llama.cpp's Q8_0 blocks (1.0625 bytes per weight, the compact q8 kernel); under
+q4 the Q4 one too (Q4_1 blocks, 0.625 bytes per weight, the compact q4 kernel).
 
 A weight that holds its float32 numbers in an exact compact form (compact.py: a GGUF's Q4_1 / Q8_0 blocks, or bfloat16
 values) is also offered the COMPACT candidate, which multiplies with exactly those numbers from a fifth to a half of
