@@ -33,6 +33,7 @@ void smallm_packed_bf16(const float *x, const uint16_t *wp, float *y, int M, int
 void smallm_packed_q4(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 void smallm_packed_q8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
 void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, int threads);
+void smallm_next(const void *w, int form, int I, int O, int rows);
 
 enum { QKV, OUT, GATE_UP, DOWN };   /* a layer's products, in the order it runs them */
 enum { F32, BF16, Q4, Q8, Q4A8 };   /* the form a product's weight is held in (native_layer.FORMATS) */
@@ -366,18 +367,24 @@ static void attention(const layer_t *L, const float *wide, int qkv_width, const 
             }
 }
 
-/* The layer over h [n, H] in place (batch of one). cos, sin [n, d]: lean_rope's tables at the rows' positions;
-   slots [n]: where each row's key and value go in the cache; width: keys attended, slots [0, width); mask [n, width]
-   additive, or NULL when every row sees the whole window; scratch: smallm_layer_scratch(...) floats. Returns 0, or -1
-   for a shape it does not handle (the caller then runs the lean layer). */
 /* whether smallm_layer computes L over a window of `width` slots */
 static int fits(const layer_t *L, int width) {
     const int d = L->head_dim;
     return !(d % PLANES || d > 16 * PLANES || d > 512 || L->heads % L->kv_heads || width > L->max_len);
 }
 
-int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const float *sin, const int64_t *slots,
-                 int width, const float *mask, float *scratch, int threads) {
+/* Name L's product `which` as the one after the next (smallm_next: the next product's threads ask for its first bytes
+   as they finish); none where L is NULL */
+static void announce(const layer_t *L, int which, int rows) {
+    if (!L) return;
+    const int H = L->hidden, att = L->heads * L->head_dim, inter = L->intermediate;
+    const int in[4] = {H, att, H, inter}, out[4] = {att + 2 * L->kv_heads * L->head_dim, H, 2 * inter, H};
+    smallm_next(L->weights[which], L->formats[which], in[which], out[which], rows);
+}
+
+/* smallm_layer, and `next` (NULL: none) the layer after it, whose first product is named while this one's last runs */
+static int layer_forward(const layer_t *L, const layer_t *next, float *h, int n, const float *cos, const float *sin,
+                         const int64_t *slots, int width, const float *mask, float *scratch, int threads) {
     const int H = L->hidden, d = L->head_dim, heads = L->heads, kv = L->kv_heads, inter = L->intermediate;
     if (!fits(L, width)) return -1;
     const int qkv_width = (heads + 2 * kv) * d;
@@ -390,6 +397,7 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
     float *scores = act + (size_t)n * inter;                     /* the attention's (see attention) */
 
     rms_norm(h, L->norm1, x, n, H, L->eps);
+    announce(L, OUT, n);
     product(L, QKV, x, wide, n, H, qkv_width, threads);      /* [n, (heads + 2kv)·d]: q | k | v per row */
     for (int r = 0; r < n; r++) {
         float *row = wide + (size_t)r * qkv_width;
@@ -401,10 +409,12 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
         }
     }
     attention(L, wide, qkv_width, mask, att, n, width, scores, threads);
+    announce(L, GATE_UP, n);
     product(L, OUT, att, y, n, heads * d, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
 
     rms_norm(h, L->norm2, x, n, H, L->eps);
+    announce(L, DOWN, n);
     product(L, GATE_UP, x, wide, n, H, 2 * inter, threads);  /* [n, 2·inter]: gate | up per row */
     for (int r = 0; r < n; r++) {
         const float *gate = wide + (size_t)r * 2 * inter, *up = gate + inter;
@@ -416,9 +426,19 @@ int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const floa
         }
         for (; i < inter; i++) a[i] = gate[i] / (1.0f + vexp_scalar(-gate[i])) * up[i];
     }
+    announce(next, QKV, n);
     product(L, DOWN, act, y, n, inter, H, threads);
     for (size_t i = 0; i < (size_t)n * H; i++) h[i] += y[i];
     return 0;
+}
+
+/* The layer over h [n, H] in place (batch of one). cos, sin [n, d]: lean_rope's tables at the rows' positions;
+   slots [n]: where each row's key and value go in the cache; width: keys attended, slots [0, width); mask [n, width]
+   additive, or NULL when every row sees the whole window; scratch: smallm_layer_scratch(...) floats. Returns 0, or -1
+   for a shape it does not handle (the caller then runs the lean layer). */
+int smallm_layer(const layer_t *L, float *h, int n, const float *cos, const float *sin, const int64_t *slots,
+                 int width, const float *mask, float *scratch, int threads) {
+    return layer_forward(L, NULL, h, n, cos, sin, slots, width, mask, scratch, threads);
 }
 
 /* A stack of layers over h [n, H] in one call (each as smallm_layer, all on the same rows, rotary, slots, window and
@@ -431,7 +451,8 @@ int smallm_layers(const layer_t *const *layers, int count, float *h, int n, cons
         if (!fits(layers[i], width) || layers[i]->hidden != layers[0]->hidden) return -1;
     for (int i = 0; i < count; i++) {
         if (keep && keep[i]) __builtin_memcpy(keep[i], h, sizeof(float) * (size_t)n * layers[i]->hidden);
-        smallm_layer(layers[i], h, n, cos, sin, slots, width, mask, scratch, threads);
+        layer_forward(layers[i], i + 1 < count ? layers[i + 1] : NULL, h, n, cos, sin, slots, width, mask, scratch,
+                      threads);
     }
     return 0;
 }
