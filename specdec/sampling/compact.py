@@ -224,7 +224,8 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 
 def _q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's Q8_0 rounding (per 32 weights of a row: d = their largest magnitude / 127 rounded to float16, q =
-    round(w / d)): d [O, G, 1], q [O, G, 32]."""
+    round(w / d)): d [O, G, 1], q [O, G, 32]. A group whose d is below float16's least (largest magnitude < 4e-6)
+    rounds to zeros, as llama.cpp's."""
     g = _rounding_groups(w, "Q8_0")
     d = _half(g.abs().amax(-1, keepdim=True) / 127)
     return d, _codes(g, d, -127, 127)
