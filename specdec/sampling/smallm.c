@@ -627,19 +627,20 @@ A8_BLOCK(a8_3, 3)
 A8_BLOCK(a8_4, 4)
 static const block_fn A8[A8_HEIGHT + 1] = {0, a8_1, a8_2, a8_3, a8_4};
 
+/* The next product's head start (smallm_next): the weight a caller will multiply next, its packed blocks (bytes a
+   block, blocks: gemm splits them over the threads in contiguous ranges) and how many of its first bytes each thread
+   asks for. */
+typedef struct {
+    const uint8_t *w;
+    size_t unit_bytes;
+    int units, bytes;
+} head_t;
+static head_t next_head;
+
 /* x [M, I], w (the layout and element type `blocks` read), y [M, O]; `blocks` take `height` x rows per pass and a range
    [r0, r1) of `units` (W's rows, or packed blocks), which the threads split into contiguous ranges, each a multiple of
    `align`. threads: how many OpenMP threads (PyTorch's own runtime: the process has loaded PyTorch's libgomp before
    this library, and the dynamic linker binds this one to it). */
-/* The next product's head start (smallm_next): the weight a caller will multiply next, how its units split over the
-   threads (bytes a unit, units, alignment) and how many of its first bytes each thread asks for. */
-typedef struct {
-    const uint8_t *w;
-    size_t unit_bytes;
-    int units, align, bytes;
-} head_t;
-static head_t next_head;
-
 static void gemm(const block_fn *blocks, int height, int units, int align, const float *x, const void *w, float *y,
                  int M, int I, int O, int threads) {
     const head_t head = next_head;
@@ -660,7 +661,7 @@ static void gemm(const block_fn *blocks, int height, int units, int align, const
             blocks[mb](x + (size_t)m0 * I, w, y + (size_t)m0 * O, I, O, r0, r1);
         }
         if (head.w) { /* this thread's first bytes of the next product, into L2 */
-            const int c = ((head.units + n - 1) / n + head.align - 1) / head.align * head.align;
+            const int c = (head.units + n - 1) / n; /* the split above, for packed blocks (align 1) */
             const size_t u0 = t * c < head.units ? (size_t)t * c : (size_t)head.units;
             const size_t u1 = u0 + c < (size_t)head.units ? u0 + c : (size_t)head.units;
             const size_t from = u0 * head.unit_bytes, to = u1 * head.unit_bytes;
@@ -746,7 +747,7 @@ void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, 
    their products longer); twice those bytes gained 1.016× more at one token, within the noise (fortieth session). */
 void smallm_next(const void *w, int form, int I, int O, int rows) {
     const int groups = I / QGROUP, packs = (O + PACK - 1) / PACK;
-    head_t h = {(const uint8_t *)w, 0, packs, 1, qprefetch[rows >= 1 && rows <= 12 ? rows : 12]};
+    head_t h = {(const uint8_t *)w, 0, packs, qprefetch[rows >= 1 && rows <= 12 ? rows : 12]};
     switch (form) {
     case 0: h.unit_bytes = (size_t)I * PACK * sizeof(float); break;
     case 1: h.unit_bytes = (size_t)I * PACK * sizeof(uint16_t); break;
