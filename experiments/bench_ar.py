@@ -180,7 +180,8 @@ def main() -> None:
     ids0 = torch.tensor([prompts[0]], device=dev)  # called as run_hf and evaluate.py call it
     hf_toks = base.model.generate(ids0, attention_mask=torch.ones_like(ids0), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=base.tokenizer.eos_token_id)[0, len(prompts[0]):]
-    variants = ({"eager": {"cuda_graphs": False}, "cublas": {"cuda_kernels": "stock"}} if cuda else  # name -> settings
+    variants = ({"eager": {"cuda_graphs": False}, "unfused": {"cuda_kernels": "unfused"},  # name -> settings
+                 "cublas": {"cuda_kernels": "stock"}} if cuda else
                 {"float32": {"compact_weights": False}, "logits": {"greedy_shortlist": False},
                  "lean": {"native_layers": False}, "stock": {"cpu_kernels": "stock"}})
     variants["hf_layers"] = {"lean": False}
@@ -274,7 +275,8 @@ def main() -> None:
         "native_built": native.available(), "native_build_s": round(native.build_s, 2),
         "kernel_choice": default_table().choice,
         **({"cuda_kernels": {"measure_s": round(gpu_table.measure_s, 1), "choice": gpu_table.choice,
-                             "attention": gpu_table.attention, "rope": gpu_table.rope}} if cuda else {}),
+                             "attention": gpu_table.attention, "rope": gpu_table.rope,
+                             "fused": gpu_table.fused}} if cuda else {}),
         # the base's 30 layers, one pass each way at n rows (native_layer.measure, as stored with the kernel table)
         "native_layer_ms": native_layers_ms(base),
         "command": command,
@@ -321,6 +323,7 @@ VARIANTS = {"float32": "compact_weights=false (every weight multiplied from its 
             "logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
             "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)",
+            "unfused": "cuda_kernels=unfused (the measured products and attention, no product fused with its neighbours)",
             "cublas": "cuda_kernels=stock (cuBLAS and SDPA throughout, not the measured choice)"}
 
 
@@ -411,7 +414,12 @@ def render(r: dict) -> str:
                 + "; attention: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
                                               for g, c in r["cuda_kernels"]["attention"].items())
                 + "; rotary + K/V write: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
-                                                       for g, c in r["cuda_kernels"].get("rope", {}).items()), ""]
+                                                       for g, c in r["cuda_kernels"].get("rope", {}).items())
+                + "; fused units (cuda_fused: front, gated, o, down): " + "; ".join(
+                    f"{g} " + ", ".join(f"{n}: " + "/".join(u.get(k, "-").removeprefix("fused_")
+                                                             for k in ("front", "gated", "o", "down"))
+                                        for n, u in c.items())
+                    for g, c in r["cuda_kernels"].get("fused", {}).items()), ""]
                if r.get("cuda_kernels") else []),
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "

@@ -20,7 +20,7 @@ from specdec.base import Base, tiny_base
 from specdec.checkpoint import save_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
-from specdec.sampling import cuda_kernels, cuda_layer, draft_graph, graphs
+from specdec.sampling import cuda_fused, cuda_kernels, cuda_layer, draft_graph, graphs
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.stream import stream
 from test_sampling_decode import (NEW, TREE, assert_family_lossless, cfg, drafter_configs,  # noqa: F401
@@ -91,12 +91,13 @@ def test_cuda_graphs_are_recorded_replayed_and_greedy_identical(prompts, kw, row
     assert all(d.graph is not None for d in drafts)
 
 
-@pytest.mark.parametrize("kw, attention", [(dict(), "math"), (dict(gamma=4), "math"), (dict(), "triton_w64"),
-                                           (dict(gamma=4), "triton_w128")])
-def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, attention, tmp_path):
+@pytest.mark.parametrize("kw, attention, fused", [(dict(), "math", False), (dict(gamma=4), "math", False),
+                                                  (dict(), "triton_w64", True), (dict(gamma=4), "triton_w128", True)])
+def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, attention, fused, tmp_path):
     """The table measured on this GPU (Triton's configurations offered where it imports), then every product forced
     through a Triton kernel and every attention through matmul + softmax or cuda_layer's one kernel (with its rotary
-    and K/V write): the tokens of PyTorch's own kernels, through the recorded graphs."""
+    and K/V write), and with `fused` every cuda_fused unit of the base's layers: the tokens of PyTorch's own kernels,
+    through the recorded graphs."""
     base = tiny_base(device="cuda")
     drafter = Prophet(base).to(CUDA).eval() if kw else None
     if drafter is not None:
@@ -117,6 +118,12 @@ def test_measured_cuda_kernels_decode_as_pytorch_does(prompts, kw, attention, tm
     for g in table.attention:
         table.attention[g] = {r: attention for r in table.rows}
         table.rope[g] = {r: "torch" if attention == "math" else "triton" for r in table.rows}
+    if fused:
+        assert table.fused and all(set(c) == set(cuda_fused.UNITS) for units in table.fused.values()
+                                   for c in units.values())  # (a tiny Llama: F.rms_norm's norms, SiLU)
+        config = next(iter(cuda_fused.CONFIGS))
+        for block, units in table.fused.items():
+            table.fused[block] = {r: {u: config for u in cuda_fused.UNITS} for r in units}
     key = str(base.lm_head.weight.device)
     cuda_kernels._TABLES[key] = table  # what generate's cuda_kernels=measured uses
     try:

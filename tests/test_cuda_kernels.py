@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT
 
-from specdec.sampling import cuda_kernels, cuda_layer, graphs
+from specdec.sampling import cuda_fused, cuda_kernels, cuda_layer, graphs
 from specdec.sampling.cuda_kernels import CudaTable, math_attention
 from specdec.sampling.lean import lean_layers
 
@@ -92,10 +92,11 @@ def test_measured_patches_and_restores_linears_and_attention(tiny, tmp_path):
         assert all(f.rope_rows == [None] * 3 for f in fast)  # without Triton: the PyTorch ops at every count
         assert set(table.candidates()) == {"linear"}  # without Triton: PyTorch's product only, so nothing patched
         assert not any("forward" in lin.__dict__ for lin in (f.qkv for f in fast))
-    assert all(f.attention_rows == [] and f.rope_rows == [] for f in fast) and cuda_kernels.active() is None
+    assert all(f.attention_rows == f.rope_rows == f.fused_rows == [] for f in fast) and cuda_kernels.active() is None
     # measured once, then read back from the cache file (same machine, same candidates)
     again = CudaTable(torch.device("cpu"), path=tmp_path / "t.json", rows=(1, 2), triton=False)
     assert again.choice == table.choice and again.attention == table.attention and again.rope == table.rope
+    assert again.fused == table.fused == {cuda_kernels._block(fast[0]): {}}  # (without Triton nothing fuses)
     assert again.eager == table.eager and set(next(iter(table.eager.values())).values()) <= {"sdpa", "math"}
 
 
@@ -266,3 +267,97 @@ def test_graph_keys_name_the_forms_in_use(tiny, tmp_path):
     with measured_tables(tiny, CudaTable(torch.device("cpu"), path=tmp_path / "t.json", rows=(1, 2), triton=False)):
         pool.forward(fast, x, *args, embed=True)
     assert len(pool.graphs) == 2 and {k[-1] is None for k in pool.graphs} == {True, False}
+
+
+@needs_triton
+def test_fused_products_compute_the_unfused_ops():
+    """cuda_fused's kernel (interpreted) for every configuration on ragged shapes and 1-16 rows: the RMSNorm before the
+    product, the SiLU·up after it, the residual add, each to float32 rounding of the PyTorch ops."""
+    out = interpreted("""
+        import torch
+        import torch.nn.functional as F
+        from specdec.sampling.cuda_fused import CONFIGS, product
+        g = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for o, i in [(40, 70), (96, 160)]:  # outputs and inputs not multiples of the blocks
+            for m in (1, 3, 16):
+                x, nw, r = torch.randn(m, i, generator=g), torch.randn(i, generator=g), torch.randn(m, o, generator=g)
+                w, w2 = torch.randn(o, i, generator=g), torch.randn(2 * o, i, generator=g)
+                xn = F.rms_norm(x, (i,), nw, 1e-5)
+                for c in CONFIGS:
+                    for got, ref in [(product(x, w, c), x @ w.T), (product(x, w, c, norm=(nw, 1e-5)), xn @ w.T),
+                                     (product(x, w2, c, norm=(nw, 1e-5), gated=True),
+                                      F.silu(xn @ w2[:o].T) * (xn @ w2[o:].T)),
+                                     (product(x, w, c, residual=r), r + x @ w.T)]:
+                        assert got.shape == ref.shape, (c, got.shape)
+                        worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+        print(worst)
+    """)
+    assert float(out) < 1e-5
+
+
+@needs_triton
+def test_recorded_forward_with_fused_units_is_the_pytorch_one():
+    """The static forward a CUDA graph records (eager on the CPU, Triton interpreted) with every cuda_fused unit forced
+    at every row count: a verify of 5 tokens and the step after it give PyTorch's hidden states and keys to float32
+    rounding, each unit ran in every layer, and the table measured every unit at 1 and 5 rows."""
+    out = interpreted("""
+        import torch
+        from specdec.base import tiny_base
+        from specdec.sampling import cuda_fused, cuda_kernels, graphs
+        from specdec.sampling.cache import SlotCache
+        from specdec.sampling.lean import lean_layers
+
+        calls = []
+        def counted(x, w, config, norm=None, gated=False, residual=None, _f=cuda_fused.product):
+            calls.append((norm is not None, gated, residual is not None))
+            return _f(x, w, config, norm=norm, gated=gated, residual=residual)
+        base = tiny_base(hidden_size=64)
+        fast = lean_layers(base.model)
+        cuda_fused.CONFIGS = {"fused_o8_k64_each": cuda_fused.CONFIGS["fused_o8_k64_each"]}  # (interpreted: brief)
+        table = cuda_kernels.CudaTable(torch.device("cpu"), path=None, rows=(1, 5), triton=True)
+        table.choice = {s: {r: "linear" for r in table.rows}  # products F.linear: only the fused units differ
+                        for s in map(cuda_kernels._shape_key, (m.weight for m in cuda_kernels.decode_linears(base)))}
+        g = cuda_kernels._geometry(fast[0])  # the attention and rotary PyTorch's (not measured: interpreted, slow)
+        table.attention[g], table.eager[g], table.rope[g] = ({r: f for r in table.rows} for f in ("sdpa", "sdpa", "torch"))
+        with cuda_kernels.measured(base.model, table=table):
+            pass
+        measured = all(set(units) == set(cuda_fused.UNITS) for c in table.fused.values() for units in c.values())
+        for block in table.fused:
+            table.fused[block] = {r: {u: "fused_o8_k64_each" for u in cuda_fused.UNITS} for r in table.rows}
+        cuda_fused.product = counted
+
+        def run():
+            pool = graphs.GraphPool(base, "base", 1, 32)
+            pool.adopt(SlotCache(32), fast)
+            x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+            verify, _, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
+                                        torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
+            step, _, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
+                                      torch.ones(1, 1, dtype=torch.bool), embed=True)
+            return verify, step, pool.cache.layers[-1].keys.clone()
+
+        stock = run()
+        assert not calls
+        with cuda_kernels.measured(base.model, table=table):
+            ours = run()
+        kinds = {c: calls.count(c) for c in set(calls)}
+        print(max(float((s - o).abs().max() / s.abs().max()) for s, o in zip(stock, ours)), measured,
+              kinds == {(True, False, False): 4, (True, True, False): 4, (False, False, True): 8})
+    """)
+    worst, measured, each = out.split()
+    assert float(worst) < 1e-5 and measured == "True" and each == "True"  # 2 layers × 2 forwards (× 2: o and down)
+
+
+def test_fused_units_are_left_out_where_they_fail_or_differ(tiny, monkeypatch):
+    """The fallback: without Triton's interpreter the fused kernel cannot run on CPU tensors (as where Triton fails to
+    build), and one that computes other numbers is refused: every unit stays unfused; without Triton none is measured
+    and the plan runs every layer unfused."""
+    layers = lean_layers(tiny.model)
+    table = CudaTable(torch.device("cpu"), path=None, rows=(1, 3, 24), triton=True)
+    assert table._measure_fused(layers) == {r: {u: "torch" for u in cuda_fused.UNITS} for r in (1, 3)}  # (24 > 16)
+    monkeypatch.setattr(cuda_fused, "product", lambda x, w, c, norm=None, gated=False, residual=None: 1.01 * (
+        residual + F.linear(x, w)) if residual is not None else None)
+    assert {u for c in table._measure_fused(layers).values() for u in c.values()} == {"torch"}
+    off = CudaTable(torch.device("cpu"), path=None, rows=(1, 3), triton=False)
+    assert off._measure_fused(layers) == {} and set(off.fused_plan(layers[0])) == {None}

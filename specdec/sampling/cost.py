@@ -53,10 +53,10 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     fast = cpu_kernels == "measured" and dev.type == "cpu"
-    gpu = cuda_kernels == "measured" and dev.type == "cuda"
+    gpu = cuda_kernels != "stock" and dev.type == "cuda"
     times: dict[int, list[float]] = {n: [] for n in ns}
     with (measured_kernels(base, table=table, lean=lean, native_layers=native_layers, compact=compact_weights) if fast
-          else cuda_kernels_measured(base) if gpu else nullcontext()):
+          else cuda_kernels_measured(base, fused=cuda_kernels == "measured") if gpu else nullcontext()):
         ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, lean=lean, graphs=cuda_graphs and dev.type == "cuda")
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)

@@ -14,8 +14,9 @@ everything else the same).
 Nothing is assumed: on first use on a GPU, each weight shape's products are timed per row count, cuBLAS (F.linear)
 against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
 replayed (as the sampler runs them), and the attention's forms per query count over a layer's geometry the same
-way (with Triton also cuda_layer's one-kernel attention, and its rotary + K/V write against the PyTorch ops). The
-fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is
+way (with Triton also cuda_layer's one-kernel attention, and its rotary + K/V write against the PyTorch ops), and then
+per layer geometry and row count each of cuda_fused's units (a product with the norm before it or the SiLU and
+residual add after it, one kernel) against the same ops unfused. The fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is
 missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
 stay: the fallback is PyTorch's own.
 
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.sampling import cuda_layer
+from specdec.sampling import cuda_fused, cuda_layer
 from specdec.sampling.kernels import per_count, store
 from specdec.sampling.lean import decode_linears, lean_layers
 
@@ -194,8 +195,9 @@ def machine_key(device: torch.device) -> str:
 
 def _signature() -> str:
     """The candidates and the kernels' source, hashed: a table measured before either changed is measured again."""
-    source = Path(__file__).read_text() + Path(cuda_layer.__file__).read_text()
-    return hashlib.sha1((" ".join(f"{k}={v}" for k, v in CONFIGS.items()) + source).encode()).hexdigest()[:16]
+    source = "".join(Path(m.__file__).read_text() for m in (cuda_fused, cuda_layer)) + Path(__file__).read_text()
+    configs = {**CONFIGS, **cuda_fused.CONFIGS}
+    return hashlib.sha1((" ".join(f"{k}={v}" for k, v in configs.items()) + source).encode()).hexdigest()[:16]
 
 
 class CudaTable:
@@ -215,6 +217,8 @@ class CudaTable:
         self.attention: dict[str, dict[int, str]] = {}  # "heads H, kv K, d D:dtype" -> {queries: form}
         self.rope: dict[str, dict[int, str]] = {}  # the same geometries -> {queries: "torch" or "triton"}
         self.eager: dict[str, dict[int, str]] = {}  # the same -> {queries: the faster of SDPA and matmul + softmax}
+        # "hidden H, mlp I, <geometry>" -> {rows: {cuda_fused unit: its configuration, or "torch": unfused}}
+        self.fused: dict[str, dict[int, dict[str, str]]] = {}
         self.measure_s = 0.0  # time spent measuring in this process (reported, never hidden)
         if self.path is not None and self.path.exists():
             stored = json.loads(self.path.read_text()).get(self.key, {})
@@ -224,6 +228,7 @@ class CudaTable:
                 self.attention = {g: {int(n): f for n, f in c.items()} for g, c in stored["attention"].items()}
                 self.rope = {g: {int(n): f for n, f in c.items()} for g, c in stored.get("rope", {}).items()}
                 self.eager = {g: {int(n): f for n, f in c.items()} for g, c in stored.get("eager", {}).items()}
+                self.fused = {g: {int(n): u for n, u in c.items()} for g, c in stored.get("fused", {}).items()}
 
     def candidates(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         found = {"linear": _linear}
@@ -243,7 +248,7 @@ class CudaTable:
     def save(self) -> None:
         store(self.path, self.key, {"candidates": self.signature, "triton": self.triton, "choice": self.choice,
                                     "timings": self.timings, "attention": self.attention, "rope": self.rope,
-                                    "eager": self.eager})
+                                    "eager": self.eager, "fused": self.fused})
 
     @torch.no_grad()
     def prepare(self, weights: list[torch.Tensor], layers: list) -> None:
@@ -252,10 +257,14 @@ class CudaTable:
         for w in weights:
             by_shape.setdefault(_shape_key(w), []).append(w)
         geometries = {_geometry(f): f for f in layers}
+        blocks: dict[str, list] = {}
+        for f in layers:
+            blocks.setdefault(_block(f), []).append(f)
         missing = {s: ws for s, ws in by_shape.items() if s not in self.choice}
         new_geometries = {g: f for g, f in geometries.items()
                           if not all(g in known for known in (self.attention, self.rope, self.eager))}
-        if not missing and not new_geometries:
+        new_blocks = {k: fs for k, fs in blocks.items() if k not in self.fused}
+        if not missing and not new_geometries and not new_blocks:
             return
         t0 = time.perf_counter()
         for shape, ws in missing.items():
@@ -264,6 +273,8 @@ class CudaTable:
         for geometry, f in new_geometries.items():
             self.attention[geometry], self.eager[geometry] = self._measure_attention(f)
             self.rope[geometry] = self._measure_rope(f)
+        for block, fs in new_blocks.items():  # (after the products: the unfused forms use their choice)
+            self.fused[block] = self._measure_fused(fs)
         self.measure_s += time.perf_counter() - t0
         self.save()
 
@@ -341,6 +352,54 @@ class CudaTable:
             choice[n] = min(times, key=times.get)
         return choice
 
+    def _measure_fused(self, layers: list) -> dict[int, dict[str, str]]:
+        """{rows: {unit: configuration or "torch"}} for cuda_fused's units over layers of one geometry, up to its 16
+        rows: each unfused (the layer's norm, the product this table chose for the shape at that count, the ops after)
+        against every configuration that reproduces it, timed as one pass over all the layers."""
+        if not self.triton:
+            return {}
+        f0 = layers[0]
+        dev, dtype = self.device, f0.qkv.weight.dtype
+        hidden, inter, heads = f0.qkv.weight.shape[1], f0.intermediate, f0.heads * f0.head_dim
+        forms = [_unit_forms(f, self._product) for f in layers]
+        offered = [u for u in cuda_fused.UNITS if all(u in fs for fs in forms)]
+        choice = {}
+        for n in (r for r in self.rows if r <= cuda_fused.MAX_ROWS):
+            x, h = (torch.randn(n, hidden, device=dev, dtype=dtype) for _ in range(2))
+            inputs = {"front": (x,), "gated": (x,), "o": (torch.randn(n, heads, device=dev, dtype=dtype), h),
+                      "down": (torch.randn(n, inter, device=dev, dtype=dtype), h)}
+            choice[n] = {}
+            for unit in offered:
+                args = inputs[unit]
+                unfused, fused = forms[0][unit]
+                reference = unfused(n, *args)
+                usable = {"torch": None}
+                for name in cuda_fused.CONFIGS:
+                    try:  # one that fails to build here, or computes something else, is left out
+                        if torch.allclose(fused(name, *args), reference, rtol=0,
+                                          atol=TOLERANCE * float(reference.abs().max())):
+                            usable[name] = name
+                    except Exception:  # noqa: BLE001
+                        continue
+                passes = {name: (lambda c=name: [u(n, *args) if c == "torch" else f(c, *args)
+                                                 for u, f in (fs[unit] for fs in forms)]) for name in usable}
+                times = _best_of(passes, self.device)
+                choice[n][unit] = min(times, key=times.get)
+        return choice
+
+    def _product(self, weight: torch.Tensor, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> x·Wᵀ with the candidate this table chose for the weight's shape at `rows` rows."""
+        name = per_count(self.choice.get(_shape_key(weight), {}), max(self.rows), "linear")[rows]
+        return (lambda x: F.linear(x, weight)) if name == "linear" else (lambda x: small_m_linear(x, weight, name))
+
+    def fused_plan(self, layer) -> list[cuda_fused.Fused | None]:
+        """Per row count 0..max(rows): the layer's units measured faster fused (None: every unit unfused)."""
+        chosen = self.fused.get(_block(layer), {})
+        plans = {n: cuda_fused.Fused(layer, {u: c for u, c in units.items() if c != "torch"})
+                 for n, units in chosen.items()}
+        names = per_count({n: str(n) for n, p in plans.items() if p.configs}, max(self.rows), "")
+        return [plans[int(name)] if name else None for name in names]
+
     def plan(self, weight: torch.Tensor) -> list[str | None]:
         """Candidate per row count 0..max(rows) for this weight (the smallest measured row count ≥ rows); None where
         F.linear was fastest (so its forward pays no extra call)."""
@@ -406,6 +465,31 @@ def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, roun
     return best
 
 
+def _unit_forms(layer, product: Callable) -> dict[str, tuple[Callable, Callable]]:
+    """unit -> (unfused(rows, *inputs), fused(config, *inputs)) of cuda_fused's units a lean layer can run fused: those
+    with an RMSNorm of F.rms_norm's formula before them, SiLU as its activation."""
+    norm1, norm2, o_proj, down_proj, act = layer._parts
+    rms, inter = cuda_fused.norms(layer), layer.intermediate
+    forms = {"o": (lambda n, x, h: h + product(o_proj.weight, n)(x),
+                   lambda c, x, h: cuda_fused.product(x, o_proj.weight, c, residual=h)),
+             "down": (lambda n, x, h: h + product(down_proj.weight, n)(x),
+                      lambda c, x, h: cuda_fused.product(x, down_proj.weight, c, residual=h))}
+    offered = cuda_fused.units(layer)
+    if "front" in offered:
+        forms["front"] = (lambda n, x: product(layer.qkv.weight, n)(norm1(x)),
+                          lambda c, x: cuda_fused.product(x, layer.qkv.weight, c, norm=rms[0]))
+    if "gated" in offered:
+        forms["gated"] = (lambda n, x: (lambda gu: act(gu[:, :inter]) * gu[:, inter:])(
+                              product(layer.gate_up.weight, n)(norm2(x))),
+                          lambda c, x: cuda_fused.product(x, layer.gate_up.weight, c, norm=rms[1], gated=True))
+    return forms
+
+
+def _block(layer) -> str:
+    """A lean layer's sizes: what its fused units are measured per."""
+    return f"hidden {layer.qkv.weight.shape[1]}, mlp {layer.intermediate}, {_geometry(layer)}"
+
+
 def _shape_key(w: torch.Tensor) -> str:
     return f"{w.shape[0]}x{w.shape[1]}:{str(w.dtype).removeprefix('torch.')}"
 
@@ -434,10 +518,11 @@ def default_table(device: torch.device) -> CudaTable:
 
 
 @contextmanager
-def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[CudaTable | None]:
+def measured(*modules: nn.Module, table: CudaTable | None = None, fused: bool = True) -> Iterator[CudaTable | None]:
     """Within the block, each float32 nn.Linear of `modules` that a decode multiplies with (the lean layers' fused
     ones, heads) runs the product measured fastest for its shape and row count, and each lean layer the attention form
-    measured fastest for its query count. Shapes and geometries not seen on this GPU are measured on entry
+    measured fastest for its query count and, with `fused`, its products fused with the ops around them where that
+    measured faster (cuda_fused). Shapes and geometries not seen on this GPU are measured on entry
     (`table.measure_s`). Modules not on a GPU are left alone (unless a table is given: tests)."""
     linears = [m for mod in modules for m in decode_linears(mod)
                if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.dim() == 2
@@ -458,10 +543,11 @@ def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[Cu
         patched.append(lin)
     attended = []
     for f in layers:
-        if not f.attention_rows and not f.rope_rows:
+        if not f.attention_rows and not f.rope_rows and not f.fused_rows:
             f.attention_rows, f.rope_rows = table.attention_plan(f), table.rope_plan(f)
+            f.fused_rows = table.fused_plan(f) if fused else []
             attended.append(f)
-    _ACTIVE.append(f"{table.key} {table.signature}")
+    _ACTIVE.append(f"{table.key} {table.signature}{'' if fused else ' unfused'}")
     try:
         yield table
     finally:
@@ -469,7 +555,7 @@ def measured(*modules: nn.Module, table: CudaTable | None = None) -> Iterator[Cu
         for lin in patched:
             del lin.forward
         for f in attended:
-            f.attention_rows, f.rope_rows = [], []
+            f.attention_rows, f.rope_rows, f.fused_rows = [], [], []
 
 
 def _forward(lin: nn.Linear, plan: list[str | None]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -62,7 +62,9 @@ class SamplerConfig:
     cuda_graph_draft: bool = True
     # CUDA: measured = each float32 product of up to 16 rows runs the kernel measured fastest on this GPU for its shape
     # and row count (cuBLAS or a Triton small-M kernel), and each lean layer's attention the form measured fastest for
-    # its query count (SDPA or matmul + softmax), measured once per GPU (cuda_kernels.py); stock = PyTorch's own
+    # its query count (SDPA or matmul + softmax), measured once per GPU (cuda_kernels.py), and each layer's products
+    # fused with the norms, SiLU and residual adds around them where that measured faster (cuda_fused.py); unfused =
+    # the measured products and attention without the fused units; stock = PyTorch's own
     cuda_kernels: str = "measured"
     # CPU, measured kernels, T = 0: the base's argmax from a bfloat16 copy of its lm_head with the rows within the error
     # bound recomputed exactly (argmax.py: the exact argmax from half the lm_head's bytes), where that measures faster
@@ -101,8 +103,8 @@ class SamplerConfig:
             (self.tree in ("chain", "static", "dynamic"), f"tree must be chain, static or dynamic, got {self.tree!r}"),
             (self.acceptance in ("rejection", "typical"), f"acceptance must be rejection or typical, got {self.acceptance!r}"),
             (self.cpu_kernels in ("measured", "stock"), f"cpu_kernels must be measured or stock, got {self.cpu_kernels!r}"),
-            (self.cuda_kernels in ("measured", "stock"),
-             f"cuda_kernels must be measured or stock, got {self.cuda_kernels!r}"),
+            (self.cuda_kernels in ("measured", "unfused", "stock"),
+             f"cuda_kernels must be measured, unfused or stock, got {self.cuda_kernels!r}"),
             (self.draft_precision in ("fp32", "bf16", "q8", "q4", "q4a8"),
              f"draft_precision must be fp32, bf16, q8, q4 or q4a8, got {self.draft_precision!r}"),
             (self.tree != "chain" or self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}"),
@@ -391,10 +393,11 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
                             cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights,
                             cfg.cuda_kernels)
         curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
-    gpu = cfg.cuda_kernels == "measured" and base.device.type == "cuda"
+    gpu = cfg.cuda_kernels != "stock" and base.device.type == "cuda"
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
                            compact=cfg.compact_weights, quant=quant) if fast
-          else cuda_kernels.measured(base, *drafters) if gpu else nullcontext()):
+          else cuda_kernels.measured(base, *drafters, fused=cfg.cuda_kernels == "measured") if gpu
+          else nullcontext()):
         return _generate(base, prompt_ids, drafter, cfg, generator, curve)
 
 

@@ -82,6 +82,9 @@ class LeanLayer(nn.Module):
         # the rotary and cache write for n queries in one kernel, rope_rows[n](qkv, rope, cache, layer_idx, heads) ->
         # (q, k, v) or None, where cuda_kernels measured it faster (None, or past the list: the PyTorch ops)
         self.rope_rows: list = []
+        # for B·n rows, fused_rows[B·n]: a cuda_fused.Fused, its products with the norms, SiLU and residual adds
+        # around them in one kernel each, where cuda_kernels measured that faster (None, or past the list: unfused)
+        self.fused_rows: list = []
 
     @property
     def native(self):
@@ -113,11 +116,14 @@ class LeanLayer(nn.Module):
         norm1, norm2, o_proj, down_proj, act = self._parts
         b, n, _ = hidden.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(norm1(hidden))  # [B, n, (heads + 2·kv_heads)·d]
+        fused = self.fused_rows[b * n] if b * n < len(self.fused_rows) else None
+        qkv = fused.front(hidden) if fused is not None else None
+        if qkv is None:
+            qkv = self.qkv(norm1(hidden))  # [B, n, (heads + 2·kv_heads)·d]
         write = self.rope_rows[n] if n < len(self.rope_rows) else None
-        fused = write(qkv, rope, cache, self.layer_idx, heads) if write is not None else None
-        if fused is not None:
-            q, k, v = fused
+        written = write(qkv, rope, cache, self.layer_idx, heads) if write is not None else None
+        if written is not None:
+            q, k, v = written
         else:
             q, k, v = split_rotate(qkv, rope, heads, kv, d)
             k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
@@ -127,9 +133,15 @@ class LeanLayer(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                                enable_gqa=heads != kv)  # [B, heads, n, d]
-        hidden = hidden + o_proj(o.transpose(1, 2).reshape(b, n, heads * d))
-        gate, up = self.gate_up(norm2(hidden)).split([self.intermediate, self.intermediate], dim=-1)
-        return hidden + down_proj(act(gate) * up)
+        o = o.transpose(1, 2).reshape(b, n, heads * d)
+        added = fused.add("o", o, hidden) if fused is not None else None
+        hidden = added if added is not None else hidden + o_proj(o)
+        a = fused.gated(hidden) if fused is not None else None
+        if a is None:
+            gate, up = self.gate_up(norm2(hidden)).split([self.intermediate, self.intermediate], dim=-1)
+            a = act(gate) * up  # [B, n, intermediate]
+        added = fused.add("down", a, hidden) if fused is not None else None
+        return added if added is not None else hidden + down_proj(a)
 
 
 def split_rotate(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, kv: int,
@@ -214,11 +226,12 @@ def fuse_norms(module: nn.Module, exact: bool = True) -> list[nn.Module]:
     return patched
 
 
-def rms_form(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+def rms_form(norm: nn.Module, device: str = "cpu") -> tuple[torch.Tensor, float] | None:
     """(weight [H], eps) of an RMSNorm whose formula is F.rms_norm's (as `fuse_norms` decides it), with its weight
-    float32 and contiguous on the CPU: what layer.c computes in its place; None otherwise."""
+    float32 and contiguous on the `device` type: what layer.c (cuda_fused on a GPU) computes in its place; None
+    otherwise."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 1
+    if not (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == device and w.dim() == 1
             and w.is_contiguous() and isinstance(eps, float)) or _fused(norm) is norm:
         return None
     return w, eps

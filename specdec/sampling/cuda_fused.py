@@ -1,0 +1,186 @@
+"""A lean decoder layer's products with the small ops around them, as one Triton kernel each, for a GPU's recorded
+forward over up to 16 rows.
+
+A 135M base on a GPU is launch-bound: on an H200 a recorded forward of SmolLM2 at one token spent 1,160 µs of kernels
+(experiments/results/cuda_s37, verify_forms.log), of which each layer's two RMSNorm kernels (159 µs in all), two
+residual adds (71), the SiLU (49) and the multiply by up (36) do a few thousand floats of work each, and every kernel
+leaves a gap of ~0.6 µs on the stream besides. Here they ride along with the products next to them:
+
+- unit "front": RMSNorm(x)·W_qkvᵀ, the input norm as the product's prologue (each program sums its rows' squares
+  itself: a row is 576 floats, read from L2);
+- unit "gated": silu(x'·W_gateᵀ)·(x'·W_upᵀ), x' = RMSNorm(x): the post-attention norm before, the activation and the
+  multiply after, each program reading the gate rows and the up rows of its outputs;
+- units "o" and "down": r + x·Wᵀ, the residual add after the o_proj and down_proj products.
+
+So a layer runs 7 kernels (the three above, o, the rotary + K/V write, the attention and its join) where it ran 13.
+The products are cuda_kernels' matrix-vector kind ("rows": every x row against each block of W's rows, float32 products
+summed in another order than cuBLAS's) without split-K (an epilogue needs the whole sum). cuda_kernels' table times each
+unit per layer geometry and row count, unfused (the norm, the product measured fastest for that shape, the ops after)
+against every configuration below, one pass over all the layers of that geometry recorded as a CUDA graph, and keeps a
+fused form only where it reproduces the unfused one (to the table's float32 tolerance) and is faster. Like the other
+Triton kernels they run only inside graph recordings (cuda_layer.launchable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec.sampling.lean import rms_form
+
+MAX_ROWS = 16  # rows per call (one register block of x rows per program)
+UNITS = ("front", "gated", "o", "down")
+# name -> (outputs per program, inputs per step, products summed at the end (else every step), warps). A program
+# covers BLOCK_O outputs of every row: 576-1536 outputs make 72-768 programs for an H200's 132 SMs.
+CONFIGS: dict[str, tuple[int, int, bool, int]] = {
+    "fused_o2_k256": (2, 256, True, 2),
+    "fused_o4_k128": (4, 128, True, 2),
+    "fused_o8_k128": (8, 128, True, 4),
+    "fused_o8_k64_each": (8, 64, False, 2),
+}
+
+_KERNEL: list = []
+
+
+def _kernel():
+    if not _KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit(do_not_specialize=["m"])
+        def fused(x, nw, w, r, y, m, o, i, eps, stride_x, stride_w, stride_r, stride_y, NORM: tl.constexpr,
+                  GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DEFER: tl.constexpr):
+            # program p: outputs p·BLOCK_O .. of every row; GATED: W's rows o.. 2o-1 are the up rows of rows 0.. o-1
+            rows = tl.arange(0, BLOCK_M)
+            live = rows < m
+            outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+            valid = outs < o
+            inv = tl.full([BLOCK_M], 1.0, tl.float32)
+            if NORM:  # 1 / sqrt(mean(x²) + eps) per row, as RMSNorm scales it
+                squares = tl.zeros([BLOCK_M], tl.float32)
+                for k in range(0, i, BLOCK_K):
+                    cols = k + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x + rows[:, None] * stride_x + cols[None, :],
+                                 mask=live[:, None] & (cols < i)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                    squares += tl.sum(xs * xs, 1)
+                inv = 1.0 / tl.sqrt(squares / i + eps)
+            if DEFER:  # [rows, outputs, inputs] products, summed once at the end (cuda_kernels' "rows" kind)
+                acc = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
+            else:  # summed over each step's inputs (fewer registers)
+                acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+            for k in range(0, i, BLOCK_K):
+                cols = k + tl.arange(0, BLOCK_K)
+                inside = cols < i
+                xs = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=live[:, None] & inside[None, :],
+                             other=0.0)  # [BLOCK_M, BLOCK_K]
+                if NORM:  # weight · (x · inv), RMSNorm's order
+                    xs = (xs * inv[:, None]) * tl.load(nw + cols, mask=inside, other=0.0)[None, :]
+                ws = tl.load(w + outs[:, None] * stride_w + cols[None, :], mask=valid[:, None] & inside[None, :],
+                             other=0.0)  # [BLOCK_O, BLOCK_K]
+                if DEFER:
+                    acc += xs[:, None, :] * ws[None, :, :]
+                else:
+                    acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+                if GATED:
+                    us = tl.load(w + (outs + o)[:, None] * stride_w + cols[None, :],
+                                 mask=valid[:, None] & inside[None, :], other=0.0)
+                    if DEFER:
+                        acc_up += xs[:, None, :] * us[None, :, :]
+                    else:
+                        acc_up += tl.sum(xs[:, None, :] * us[None, :, :], 2)
+            if DEFER:
+                out = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_O]
+            else:
+                out = acc
+            if GATED:  # silu(gate) · up, SiLU as x / (1 + exp(-x))
+                if DEFER:
+                    up = tl.sum(acc_up, 2)
+                else:
+                    up = acc_up
+                out = out / (1.0 + tl.exp(-out)) * up
+            here = live[:, None] & valid[None, :]
+            if RESIDUAL:
+                out += tl.load(r + rows[:, None] * stride_r + outs[None, :], mask=here, other=0.0)
+            tl.store(y + rows[:, None] * stride_y + outs[None, :], out, mask=here)
+
+        _KERNEL.append(fused)
+    return _KERNEL[0]
+
+
+def product(x: torch.Tensor, w: torch.Tensor, config: str, norm: tuple[torch.Tensor, float] | None = None,
+            gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, I] (m ≤ 16, float32, contiguous) -> [m, O]: x'·Wᵀ with x' = RMSNorm(x) where norm = (weight [I], eps) is
+    given, else x; gated: W [2·O, I] holds the gate rows then the up rows, and the result is silu(x'·Gᵀ)·(x'·Uᵀ);
+    residual [m, O]: added to the result."""
+    block_o, block_k, defer, warps = CONFIGS[config]
+    m, i = x.shape
+    o = w.shape[0] // 2 if gated else w.shape[0]
+    tensors = [x, w] + ([norm[0]] if norm else []) + ([residual] if residual is not None else [])
+    if m > MAX_ROWS or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or (
+            gated and w.shape[0] % 2) or (residual is not None and residual.shape != (m, o)):
+        raise ValueError("the fused product takes up to 16 contiguous float32 rows and matching weights")
+    y = torch.empty(m, o, dtype=x.dtype, device=x.device)
+    nw, eps = norm if norm else (w, 0.0)  # (not read without NORM)
+    r = residual if residual is not None else y  # (not read without RESIDUAL)
+    _kernel()[(-(-o // block_o),)](
+        x, nw, w, r, y, m, o, i, eps, x.stride(0), w.stride(0), r.stride(0), y.stride(0), NORM=norm is not None,
+        GATED=gated, RESIDUAL=residual is not None, BLOCK_M=1 << (m - 1).bit_length(), BLOCK_O=block_o,
+        BLOCK_K=block_k, DEFER=defer, num_warps=warps)
+    return y
+
+
+def norms(layer) -> tuple[tuple[torch.Tensor, float] | None, ...]:
+    """(weight, eps) of a lean layer's input and post-attention RMSNorms where F.rms_norm's formula is theirs (what
+    the kernel computes), else None."""
+    return tuple(rms_form(norm, layer.qkv.weight.device.type) for norm in layer.norms)
+
+
+def units(layer) -> tuple[str, ...]:
+    """The units a lean layer can run fused: "o" and "down" always, "front" and "gated" where the norm before them is
+    F.rms_norm's (and "gated" where the activation is SiLU)."""
+    act = layer._parts[4]
+    probe = torch.linspace(-8, 8, 97, device=layer.qkv.weight.device, dtype=layer.qkv.weight.dtype)
+    first, second = norms(layer)
+    return tuple(u for u, ok in [("front", first is not None),
+                                 ("gated", second is not None and torch.equal(act(probe), F.silu(probe))),
+                                 ("o", True), ("down", True)] if ok)
+
+
+class Fused:
+    """One lean layer's fused units at one row count: unit -> configuration (a unit not in it runs unfused). Each
+    method returns None where its unit is not chosen or cannot run here (launched from Python, not [rows, H]
+    contiguous): the lean forward's PyTorch ops then."""
+
+    def __init__(self, layer, configs: dict[str, str]):
+        offered = units(layer)
+        self.configs = {u: c for u, c in configs.items() if u in offered}
+        self.norms = norms(layer)
+        _, _, o_proj, down_proj, _ = layer._parts
+        self.weights = {"front": layer.qkv.weight, "gated": layer.gate_up.weight, "o": o_proj.weight,
+                        "down": down_proj.weight}
+
+    def _run(self, unit: str, x: torch.Tensor, **kw) -> torch.Tensor | None:
+        from specdec.sampling.cuda_layer import launchable
+
+        config = self.configs.get(unit)
+        if config is None or not launchable(x) or not x.is_contiguous():
+            return None
+        rows = x.numel() // x.shape[-1]
+        out = product(x.view(rows, x.shape[-1]), self.weights[unit], config, **kw)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def front(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """q|k|v of the normed hidden [B, n, H] -> [B, n, (heads + 2·kv)·d]."""
+        return self._run("front", hidden, norm=self.norms[0])
+
+    def gated(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """act(gate)·up of the normed hidden [B, n, H] -> [B, n, intermediate]."""
+        return self._run("gated", hidden, norm=self.norms[1], gated=True)
+
+    def add(self, unit: str, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden + x·Wᵀ for unit "o" (x: the attention's [B, n, heads·d]) or "down" (x: [B, n, intermediate])."""
+        if not hidden.is_contiguous():
+            return None
+        return self._run(unit, x, residual=hidden.view(-1, hidden.shape[-1]))
