@@ -36,6 +36,9 @@ CONFIGS: dict[str, tuple[int, int, bool, int]] = {
     "fused_o4_k128": (4, 128, True, 2),
     "fused_o8_k128": (8, 128, True, 4),
     "fused_o8_k64_each": (8, 64, False, 2),
+    # the same blocks over twice the threads: half the registers each where 5-16 rows make the block 8-16 times larger
+    "fused_o2_k256_w4": (2, 256, True, 4),
+    "fused_o4_k128_w4": (4, 128, True, 4),
 }
 
 _KERNEL: list = []
