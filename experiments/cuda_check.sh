@@ -23,9 +23,9 @@
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
 # of them and drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
-# script exits non-zero if any failed. What each took on an H200 (thirty-sixth to thirty-eighth sessions), for a lent
-# GPU's budget of device time: tests 80-155 s, bench 175-195 s (the CUDA table measured in it, 50-70 s), verify_forms
-# 35 s with that table cached (~90 s without), demo 235-300 s (features 48, training 62, the two evaluations 80 + 44,
+# script exits non-zero if any failed. What each took on an H200 (thirty-sixth to forty-first sessions), for a lent
+# GPU's budget of device time: tests 80-155 s, bench 175-225 s (the CUDA table measured in it, 50-70 s, 100-115 s since
+# the fused units of cuda_fused.py), verify_forms 30-35 s with that table cached (~170 s without), demo 235-300 s (features 48, training 62, the two evaluations 80 + 44,
 # the first of them 150 s when it measures the CUDA table) plus its round profile; a fresh machine's start and the
 # workplace setup ~50-100 s more. Each step on a fresh machine measures the table again unless an earlier step did.
 set -u

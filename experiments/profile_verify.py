@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import cuda_kernels, graphs  # noqa: E402
+from specdec.sampling import cuda_fused, cuda_kernels, graphs  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_times  # noqa: E402
 from specdec.sampling.kernels import machine_key  # noqa: E402
@@ -202,11 +202,13 @@ def main() -> None:
         report["forms"]["measured"] = row("measured       ", times, args.ns, diff)
         if table is not None:
             report["measured"] = {"measure_s": round(table.measure_s, 1), "choice": table.choice,
-                                  "attention": table.attention, "rope": table.rope}
+                                  "attention": table.attention, "rope": table.rope, "fused": table.fused}
             print(f"  (measured in {table.measure_s:.1f} s: " + "; ".join(
                 f"{s} " + ",".join(f"{n}:{k.removeprefix('triton_')}" for n, k in c.items())
                 for s, c in (table.choice | table.attention | {f"rope {g}": c for g, c in table.rope.items()}).items())
-                + ")")
+                + "; fused front/gated/o/down: " + "; ".join(
+                    f"{g} " + ",".join(f"{n}:" + "/".join(u.get(k, "-").removeprefix("fused_") for k in cuda_fused.UNITS)
+                                       for n, u in c.items()) for g, c in table.fused.items()) + ")")
             for n in args.kernels:
                 per, what = kernels(base, n)
                 report.setdefault("kernels_measured_us", {})[n] = per
