@@ -323,7 +323,8 @@ VARIANTS = {"float32": "compact_weights=false (every weight multiplied from its 
             "logits": "greedy_shortlist=false (the argmax of the lm_head's float32 logits)",
             "lean": "native_layers=false (the lean layers in PyTorch ops)", "stock": "cpu_kernels=stock",
             "eager": "cuda_graphs=false (op by op)", "hf_layers": "lean=false (each layer's HF forward)",
-            "unfused": "cuda_kernels=unfused (the measured products and attention, no product fused with its neighbours)",
+            "unfused": "cuda_kernels=unfused (the measured products and attention, no product fused with the ops "
+                       "around it)",
             "cublas": "cuda_kernels=stock (cuBLAS and SDPA throughout, not the measured choice)"}
 
 

@@ -56,11 +56,12 @@ def test_measured_forms_decode_as_pytorch_does(tmp_path):
     out = interpreted(f"""
         import torch
         from specdec.base import tiny_base
-        from specdec.sampling import cuda_kernels, cuda_layer
+        from specdec.sampling import cuda_fused, cuda_kernels, cuda_layer
         from specdec.sampling.cuda_kernels import CONFIGS, CudaTable, measured
         from specdec.sampling.decode import SamplerConfig, _generate
 
         cuda_kernels.CONFIGS = {{k: cuda_kernels.CONFIGS[k] for k in ("triton_o16_k64_s2", "triton_o32_k64")}}  # brief
+        cuda_fused.CONFIGS = {{"fused_o8_k64_each": cuda_fused.CONFIGS["fused_o8_k64_each"]}}
         cuda_layer.FORMS = {{"triton_split64": (64, True)}}  # (interpreted: ~20 s, not ~50)
         cuda_kernels.ATTENTION_WIDTH = 64
         base = tiny_base()
@@ -319,7 +320,8 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
         table.choice = {s: {r: "linear" for r in table.rows}  # products F.linear: only the fused units differ
                         for s in map(cuda_kernels._shape_key, (m.weight for m in cuda_kernels.decode_linears(base)))}
         g = cuda_kernels._geometry(fast[0])  # the attention and rotary PyTorch's (not measured: interpreted, slow)
-        table.attention[g], table.eager[g], table.rope[g] = ({r: f for r in table.rows} for f in ("sdpa", "sdpa", "torch"))
+        table.attention[g], table.eager[g], table.rope[g] = ({r: f for r in table.rows}
+                                                             for f in ("sdpa", "sdpa", "torch"))
         with cuda_kernels.measured(base.model, table=table):
             pass
         measured = all(set(units) == set(cuda_fused.UNITS) for c in table.fused.values() for units in c.values())
@@ -347,6 +349,21 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
     """)
     worst, measured, each = out.split()
     assert float(worst) < 1e-5 and measured == "True" and each == "True"  # 2 layers × 2 forwards (× 2: o and down)
+
+
+def test_fused_units_are_offered_only_for_the_layers_own_math():
+    """A product with a bias (the kernel adds none) is not offered fused, nor one after a norm F.rms_norm does not
+    reproduce, nor gated after another activation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    plain = lean_layers(LlamaForCausalLM(config).model)[0]
+    assert cuda_fused.units(plain) == ("front", "gated", "o", "down")
+    biased = LlamaConfig(**{**config.to_dict(), "attention_bias": True, "mlp_bias": True})
+    assert cuda_fused.units(lean_layers(LlamaForCausalLM(biased).model)[0]) == ()
+    gelu = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "hidden_act": "gelu"})).model
+    assert cuda_fused.units(lean_layers(gelu)[0]) == ("front", "o", "down")
 
 
 def test_fused_units_are_left_out_where_they_fail_or_differ(tiny, monkeypatch):

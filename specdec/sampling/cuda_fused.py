@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.sampling.cuda_layer import launchable
 from specdec.sampling.lean import rms_form
 
 MAX_ROWS = 16  # rows per call (one register block of x rows per program)
@@ -141,14 +142,15 @@ def norms(layer) -> tuple[tuple[torch.Tensor, float] | None, ...]:
 
 
 def units(layer) -> tuple[str, ...]:
-    """The units a lean layer can run fused: "o" and "down" always, "front" and "gated" where the norm before them is
-    F.rms_norm's (and "gated" where the activation is SiLU)."""
-    act = layer._parts[4]
+    """The units a lean layer can run fused: each whose product has no bias (the kernel adds none), "front" and
+    "gated" where the norm before them is F.rms_norm's, "gated" where the activation is SiLU."""
+    _, _, o_proj, down_proj, act = layer._parts
     probe = torch.linspace(-8, 8, 97, device=layer.qkv.weight.device, dtype=layer.qkv.weight.dtype)
     first, second = norms(layer)
-    return tuple(u for u, ok in [("front", first is not None),
-                                 ("gated", second is not None and torch.equal(act(probe), F.silu(probe))),
-                                 ("o", True), ("down", True)] if ok)
+    return tuple(u for u, linear, ok in [
+        ("front", layer.qkv, first is not None),
+        ("gated", layer.gate_up, second is not None and torch.equal(act(probe), F.silu(probe))),
+        ("o", o_proj, True), ("down", down_proj, True)] if ok and linear.bias is None)
 
 
 class Fused:
@@ -165,8 +167,6 @@ class Fused:
                         "down": down_proj.weight}
 
     def _run(self, unit: str, x: torch.Tensor, **kw) -> torch.Tensor | None:
-        from specdec.sampling.cuda_layer import launchable
-
         config = self.configs.get(unit)
         if config is None or not launchable(x) or not x.is_contiguous():
             return None

@@ -16,9 +16,9 @@ against every Triton configuration, one pass over the model's own weights of tha
 replayed (as the sampler runs them), and the attention's forms per query count over a layer's geometry the same
 way (with Triton also cuda_layer's one-kernel attention, and its rotary + K/V write against the PyTorch ops), and then
 per layer geometry and row count each of cuda_fused's units (a product with the norm before it or the SiLU and
-residual add after it, one kernel) against the same ops unfused. The fastest is kept and cached per GPU (its name, torch and Triton versions) next to the CPU table. Where Triton is
-missing, a configuration fails to build or gives another product (checked against F.linear first), F.linear and SDPA
-stay: the fallback is PyTorch's own.
+residual add after it, one kernel) against the same ops unfused. The fastest is kept and cached per GPU (its name,
+torch and Triton versions) next to the CPU table. Where Triton is missing, a configuration fails to build or gives
+another product (checked against F.linear first), F.linear and SDPA stay: the fallback is PyTorch's own.
 
 On the H200 (twenty-eighth session, experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products against the
 tl.dot kernel, which won o_proj (576x576); matmul + softmax won the attention at every query count: T_1 2.11 ms against
