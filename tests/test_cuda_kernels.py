@@ -18,12 +18,31 @@ from specdec.sampling.lean import lean_layers
 
 needs_triton = pytest.mark.skipif(not cuda_kernels.available(), reason="triton is not installed")
 
+# for the interpreted tests of a recorded forward: run() = a verify of 5 tokens and the step after it through a graph
+# pool's static forward (eager on the CPU) of `base` (its lean layers `fast`) -> (the two outputs, the last layer's keys)
+RECORDED_RUN = """
+    import torch
+    from specdec.sampling import graphs
+    from specdec.sampling.cache import SlotCache
 
-def interpreted(code: str) -> str:
-    """Run `code` in a fresh Python with Triton's interpreter on (kernels run on CPU tensors); its stdout."""
+    def run():
+        pool = graphs.GraphPool(base, "base", 1, 32)
+        pool.adopt(SlotCache(32), fast)  # the buffers in place, as a decode's first eager forward leaves them
+        x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+        verify, _, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
+                                    torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
+        step, _, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
+                                  torch.ones(1, 1, dtype=torch.bool), embed=True)
+        return verify, step, pool.cache.layers[-1].keys.clone()
+"""
+
+
+def interpreted(*code: str) -> str:
+    """Run the `code` parts, one after the other, in a fresh Python with Triton's interpreter on (kernels run on CPU
+    tensors); its stdout."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", "".join(map(textwrap.dedent, code))], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -168,11 +187,9 @@ def test_recorded_forward_with_the_one_kernel_forms_is_the_pytorch_one():
     """The static forward a CUDA graph records (run eagerly on the CPU, Triton interpreted) with cuda_layer's attention
     and rotary + K/V write forced at every query count: a verify of 5 tokens and the step after it give the hidden
     states and keys of PyTorch's forms to float32 rounding, and both kernels ran in every layer."""
-    out = interpreted("""
-        import torch
+    out = interpreted(RECORDED_RUN, """
         from specdec.base import tiny_base
-        from specdec.sampling import cuda_kernels, cuda_layer, graphs
-        from specdec.sampling.cache import SlotCache
+        from specdec.sampling import cuda_kernels, cuda_layer
         from specdec.sampling.lean import lean_layers
 
         calls = {"attention": 0, "rope_write": 0}
@@ -191,15 +208,6 @@ def test_recorded_forward_with_the_one_kernel_forms_is_the_pytorch_one():
             table.attention[g] = {r: "triton_w64" for r in table.rows}
             table.rope[g] = {r: "triton" for r in table.rows}
 
-        def run():
-            pool = graphs.GraphPool(base, "base", 1, 32)
-            pool.adopt(SlotCache(32), fast)  # the buffers in place, as a decode's first eager forward leaves them
-            x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
-            verify, _, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
-                                        torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
-            step, _, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
-                                      torch.ones(1, 1, dtype=torch.bool), embed=True)
-            return verify, step, pool.cache.layers[-1].keys.clone()
 
         stock = run()
         with cuda_kernels.measured(base.model, table=table):
@@ -302,11 +310,9 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
     """The static forward a CUDA graph records (eager on the CPU, Triton interpreted) with every cuda_fused unit forced
     at every row count: a verify of 5 tokens and the step after it give PyTorch's hidden states and keys to float32
     rounding, each unit ran in every layer, and the table measured every unit at 1 and 5 rows."""
-    out = interpreted("""
-        import torch
+    out = interpreted(RECORDED_RUN, """
         from specdec.base import tiny_base
-        from specdec.sampling import cuda_fused, cuda_kernels, graphs
-        from specdec.sampling.cache import SlotCache
+        from specdec.sampling import cuda_fused, cuda_kernels
         from specdec.sampling.lean import lean_layers
 
         calls = []
@@ -329,15 +335,6 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
             table.fused[block] = {r: {u: "fused_o8_k64_each" for u in cuda_fused.UNITS} for r in table.rows}
         cuda_fused.product = counted
 
-        def run():
-            pool = graphs.GraphPool(base, "base", 1, 32)
-            pool.adopt(SlotCache(32), fast)
-            x = torch.randint(0, base.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
-            verify, _, _ = pool.forward(fast, x, torch.tensor([3]), torch.arange(5), torch.arange(5),
-                                        torch.ones(5, 5, dtype=torch.bool).tril(), embed=True)
-            step, _, _ = pool.forward(fast, x[:, :1], torch.tensor([8]), torch.arange(1), torch.arange(1),
-                                      torch.ones(1, 1, dtype=torch.bool), embed=True)
-            return verify, step, pool.cache.layers[-1].keys.clone()
 
         stock = run()
         assert not calls
