@@ -23,6 +23,8 @@ experiments/results/cuda_s41) our graphed AR loop ran 1.21× the same loop unfus
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -155,36 +157,49 @@ def units(layer) -> tuple[str, ...]:
 
 
 class Fused:
-    """One lean layer's fused units at one row count: unit -> configuration (a unit not in it runs unfused). Each
-    method returns None where its unit is not chosen or cannot run here (launched from Python, not [rows, H]
-    contiguous): the lean forward's PyTorch ops then."""
+    """One lean layer's fused units at one row count: unit -> configuration (a unit not in it runs unfused).
+    `front`, `gated` and `add` return None where their unit is not chosen or cannot run here (launched from Python,
+    not [rows, H] contiguous): the lean forward's PyTorch ops then."""
 
-    def __init__(self, layer, configs: dict[str, str]):
-        offered = units(layer)
-        self.configs = {u: c for u, c in configs.items() if u in offered}
+    def __init__(self, layer):
+        """The layer's units, none chosen yet (`at` chooses)."""
+        self.offered = units(layer)
         self.norms = norms(layer)
         _, _, o_proj, down_proj, _ = layer._parts
         self.weights = {"front": layer.qkv.weight, "gated": layer.gate_up.weight, "o": o_proj.weight,
                         "down": down_proj.weight}
+        self.configs: dict[str, str] = {}
 
-    def _run(self, unit: str, x: torch.Tensor, **kw) -> torch.Tensor | None:
+    def at(self, configs: dict[str, str]) -> Fused:
+        """This layer with `configs` chosen (those of its offered units; the rest stay unfused)."""
+        other = copy.copy(self)
+        other.configs = {u: c for u, c in configs.items() if u in self.offered}
+        return other
+
+    def unit(self, unit: str, config: str, x: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's kernel with `config` on x [rows, I] (and for "o" and "down" the residual hidden [rows, H]),
+        wherever it is called (the table's checks and timings too)."""
+        kw = {"front": {"norm": self.norms[0]}, "gated": {"norm": self.norms[1], "gated": True}}.get(unit, {})
+        return product(x, self.weights[unit], config, residual=hidden, **kw)
+
+    def _run(self, unit: str, x: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         config = self.configs.get(unit)
         if config is None or not launchable(x) or not x.is_contiguous():
             return None
         rows = x.numel() // x.shape[-1]
-        out = product(x.view(rows, x.shape[-1]), self.weights[unit], config, **kw)
+        out = self.unit(unit, config, x.view(rows, x.shape[-1]), hidden)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def front(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """q|k|v of the normed hidden [B, n, H] -> [B, n, (heads + 2·kv)·d]."""
-        return self._run("front", hidden, norm=self.norms[0])
+        return self._run("front", hidden)
 
     def gated(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """act(gate)·up of the normed hidden [B, n, H] -> [B, n, intermediate]."""
-        return self._run("gated", hidden, norm=self.norms[1], gated=True)
+        return self._run("gated", hidden)
 
     def add(self, unit: str, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden + x·Wᵀ for unit "o" (x: the attention's [B, n, heads·d]) or "down" (x: [B, n, intermediate])."""
         if not hidden.is_contiguous():
             return None
-        return self._run(unit, x, residual=hidden.view(-1, hidden.shape[-1]))
+        return self._run(unit, x, hidden.view(-1, hidden.shape[-1]))

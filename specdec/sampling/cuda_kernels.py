@@ -395,8 +395,8 @@ class CudaTable:
     def fused_plan(self, layer) -> list[cuda_fused.Fused | None]:
         """Per row count 0..max(rows): the layer's units measured faster fused (None: every unit unfused)."""
         chosen = self.fused.get(_block(layer), {})
-        plans = {n: cuda_fused.Fused(layer, {u: c for u, c in units.items() if c != "torch"})
-                 for n, units in chosen.items()}
+        whole = cuda_fused.Fused(layer)  # (the units it offers found once, not per row count)
+        plans = {n: whole.at({u: c for u, c in units.items() if c != "torch"}) for n, units in chosen.items()}
         names = per_count({n: str(n) for n, p in plans.items() if p.configs}, max(self.rows), "")
         return [plans[int(name)] if name else None for name in names]
 
@@ -466,23 +466,16 @@ def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, roun
 
 
 def _unit_forms(layer, product: Callable) -> dict[str, tuple[Callable, Callable]]:
-    """unit -> (unfused(rows, *inputs), fused(config, *inputs)) of cuda_fused's units a lean layer can run fused: those
-    with an RMSNorm of F.rms_norm's formula before them, SiLU as its activation."""
+    """unit -> (unfused(rows, *inputs), fused(config, *inputs)) of the cuda_fused units a lean layer offers, the
+    unfused form as the lean forward computes it (`product(weight, rows)`: the product chosen for that shape)."""
     norm1, norm2, o_proj, down_proj, act = layer._parts
-    rms, inter = cuda_fused.norms(layer), layer.intermediate
-    forms = {"o": (lambda n, x, h: h + product(o_proj.weight, n)(x),
-                   lambda c, x, h: cuda_fused.product(x, o_proj.weight, c, residual=h)),
-             "down": (lambda n, x, h: h + product(down_proj.weight, n)(x),
-                      lambda c, x, h: cuda_fused.product(x, down_proj.weight, c, residual=h))}
-    offered = cuda_fused.units(layer)
-    if "front" in offered:
-        forms["front"] = (lambda n, x: product(layer.qkv.weight, n)(norm1(x)),
-                          lambda c, x: cuda_fused.product(x, layer.qkv.weight, c, norm=rms[0]))
-    if "gated" in offered:
-        forms["gated"] = (lambda n, x: (lambda gu: act(gu[:, :inter]) * gu[:, inter:])(
-                              product(layer.gate_up.weight, n)(norm2(x))),
-                          lambda c, x: cuda_fused.product(x, layer.gate_up.weight, c, norm=rms[1], gated=True))
-    return forms
+    inter, fused = layer.intermediate, cuda_fused.Fused(layer)
+    unfused = {"front": lambda n, x: product(layer.qkv.weight, n)(norm1(x)),
+               "gated": lambda n, x: (lambda gu: act(gu[:, :inter]) * gu[:, inter:])(
+                   product(layer.gate_up.weight, n)(norm2(x))),
+               "o": lambda n, x, h: h + product(o_proj.weight, n)(x),
+               "down": lambda n, x, h: h + product(down_proj.weight, n)(x)}
+    return {u: (unfused[u], lambda c, *inputs, u=u: fused.unit(u, c, *inputs)) for u in fused.offered}
 
 
 def _block(layer) -> str:
