@@ -33,17 +33,27 @@ from specdec.sampling.lean import rms_form
 
 MAX_ROWS = 16  # rows per call (one register block of x rows per program)
 UNITS = ("front", "gated", "o", "down")
-# name -> (outputs per program, inputs per step, products summed at the end (else every step), warps). A program
-# covers BLOCK_O outputs of every row: 576-1536 outputs make 72-768 programs for an H200's 132 SMs.
-CONFIGS: dict[str, tuple[int, int, bool, int]] = {
-    "fused_o2_k256": (2, 256, True, 2),
-    "fused_o4_k128": (4, 128, True, 2),
-    "fused_o8_k128": (8, 128, True, 4),
-    "fused_o8_k64_each": (8, 64, False, 2),
+# name -> (how a step's products are summed, outputs per program, inputs per step, warps). A program covers BLOCK_O
+# outputs of every row: 576-1536 outputs make 36-768 programs for an H200's 132 SMs. Three ways to sum:
+# - "defer": [rows, outputs, inputs] products summed once at the end (cuda_kernels' "rows" kind);
+# - "each": summed over each step's inputs (fewer registers);
+# - "dot": x rows padded to a 16-row tile, one tl.dot per step (float32 FMAs, cuda_kernels' "dot" kind). At 5-16 rows
+#   the other two cost ~1.5x their one-row call on an H200 (their register block grows with the padded row count);
+#   a tile's cost does not grow with the rows in it.
+CONFIGS: dict[str, tuple[str, int, int, int]] = {
+    "fused_o2_k256": ("defer", 2, 256, 2),
+    "fused_o4_k128": ("defer", 4, 128, 2),
+    "fused_o8_k128": ("defer", 8, 128, 4),
+    "fused_o8_k64_each": ("each", 8, 64, 2),
     # the same blocks over twice the threads: half the registers each where 5-16 rows make the block 8-16 times larger
-    "fused_o2_k256_w4": (2, 256, True, 4),
-    "fused_o4_k128_w4": (4, 128, True, 4),
+    "fused_o2_k256_w4": ("defer", 2, 256, 4),
+    "fused_o4_k128_w4": ("defer", 4, 128, 4),
+    "fused_dot_o16_k64": ("dot", 16, 64, 2),
+    "fused_dot_o16_k128": ("dot", 16, 128, 4),
+    "fused_dot_o32_k64": ("dot", 32, 64, 4),
 }
+SUMS = ("defer", "each", "dot")  # the kernel's SUM: a configuration's first field, by index
+NORM_TILE = 4096  # floats the norm's prologue loads at once (64 registers a thread at two warps)
 
 _KERNEL: list = []
 
@@ -56,25 +66,26 @@ def _kernel():
         @triton.jit(do_not_specialize=["m"])
         def fused(x, nw, w, r, y, m, o, i, eps, stride_x, stride_w, stride_r, stride_y, NORM: tl.constexpr,
                   GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DEFER: tl.constexpr):
+                  BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SUM: tl.constexpr):
             # program p: outputs p·BLOCK_O .. of every row; GATED: W's rows o.. 2o-1 are the up rows of rows 0.. o-1
             rows = tl.arange(0, BLOCK_M)
             live = rows < m
             outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
             valid = outs < o
             inv = tl.full([BLOCK_M], 1.0, tl.float32)
-            if NORM:  # 1 / sqrt(mean(x²) + eps) per row, as RMSNorm scales it
+            if NORM:  # 1 / sqrt(mean(x²) + eps) per row, as RMSNorm scales it: in one or a few wide loads (each a
+                # round trip the products wait for)
                 squares = tl.zeros([BLOCK_M], tl.float32)
-                for k in range(0, i, BLOCK_K):
-                    cols = k + tl.arange(0, BLOCK_K)
+                for k in range(0, i, NORM_K):
+                    cols = k + tl.arange(0, NORM_K)
                     xs = tl.load(x + rows[:, None] * stride_x + cols[None, :],
-                                 mask=live[:, None] & (cols < i)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                                 mask=live[:, None] & (cols < i)[None, :], other=0.0)  # [BLOCK_M, NORM_K]
                     squares += tl.sum(xs * xs, 1)
                 inv = 1.0 / tl.sqrt(squares / i + eps)
-            if DEFER:  # [rows, outputs, inputs] products, summed once at the end (cuda_kernels' "rows" kind)
+            if SUM == 0:  # "defer": [rows, outputs, inputs] products, summed once at the end
                 acc = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
-            else:  # summed over each step's inputs (fewer registers)
+            else:  # "each", "dot": summed over each step's inputs
                 acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
             for k in range(0, i, BLOCK_K):
@@ -86,23 +97,27 @@ def _kernel():
                     xs = (xs * inv[:, None]) * tl.load(nw + cols, mask=inside, other=0.0)[None, :]
                 ws = tl.load(w + outs[:, None] * stride_w + cols[None, :], mask=valid[:, None] & inside[None, :],
                              other=0.0)  # [BLOCK_O, BLOCK_K]
-                if DEFER:
+                if SUM == 0:
                     acc += xs[:, None, :] * ws[None, :, :]
-                else:
+                elif SUM == 1:
                     acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+                else:  # float32 FMAs, not TF32
+                    acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")
                 if GATED:
                     us = tl.load(w + (outs + o)[:, None] * stride_w + cols[None, :],
                                  mask=valid[:, None] & inside[None, :], other=0.0)
-                    if DEFER:
+                    if SUM == 0:
                         acc_up += xs[:, None, :] * us[None, :, :]
-                    else:
+                    elif SUM == 1:
                         acc_up += tl.sum(xs[:, None, :] * us[None, :, :], 2)
-            if DEFER:
+                    else:
+                        acc_up += tl.dot(xs, tl.trans(us), input_precision="ieee")
+            if SUM == 0:
                 out = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_O]
             else:
                 out = acc
             if GATED:  # silu(gate) · up, SiLU as x / (1 + exp(-x))
-                if DEFER:
+                if SUM == 0:
                     up = tl.sum(acc_up, 2)
                 else:
                     up = acc_up
@@ -121,20 +136,23 @@ def product(x: torch.Tensor, w: torch.Tensor, config: str, norm: tuple[torch.Ten
     """x [m, I] (m ≤ 16, float32, contiguous) -> [m, O]: x'·Wᵀ with x' = RMSNorm(x) where norm = (weight [I], eps) is
     given, else x; gated: W [2·O, I] holds the gate rows then the up rows, and the result is silu(x'·Gᵀ)·(x'·Uᵀ);
     residual [m, O]: added to the result."""
-    block_o, block_k, defer, warps = CONFIGS[config]
+    how, block_o, block_k, warps = CONFIGS[config]
     m, i = x.shape
     o = w.shape[0] // 2 if gated else w.shape[0]
     tensors = [x, w] + ([norm[0]] if norm else []) + ([residual] if residual is not None else [])
     if m > MAX_ROWS or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or (
             gated and w.shape[0] % 2) or (residual is not None and residual.shape != (m, o)):
         raise ValueError("the fused product takes up to 16 contiguous float32 rows and matching weights")
+    block_m = MAX_ROWS if how == "dot" else 1 << (m - 1).bit_length()
+    # the norm's loads: whole rows where BLOCK_M of them fit NORM_TILE floats, else NORM_TILE floats of rows at a time
+    norm_k = max(block_k, min(1 << (i - 1).bit_length(), NORM_TILE // block_m))
     y = torch.empty(m, o, dtype=x.dtype, device=x.device)
     nw, eps = norm if norm else (w, 0.0)  # (not read without NORM)
     r = residual if residual is not None else y  # (not read without RESIDUAL)
     _kernel()[(-(-o // block_o),)](
         x, nw, w, r, y, m, o, i, eps, x.stride(0), w.stride(0), r.stride(0), y.stride(0), NORM=norm is not None,
-        GATED=gated, RESIDUAL=residual is not None, BLOCK_M=1 << (m - 1).bit_length(), BLOCK_O=block_o,
-        BLOCK_K=block_k, DEFER=defer, num_warps=warps)
+        GATED=gated, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_O=block_o, BLOCK_K=block_k, NORM_K=norm_k,
+        SUM=SUMS.index(how), num_warps=warps)
     return y
 
 
