@@ -34,12 +34,12 @@ from specdec.sampling.lean import rms_form
 MAX_ROWS = 16  # rows per call (one register block of x rows per program)
 UNITS = ("front", "gated", "o", "down")
 # name -> (how a step's products are summed, outputs per program, inputs per step, warps). A program covers BLOCK_O
-# outputs of every row: 576-1536 outputs make 36-768 programs for an H200's 132 SMs. Three ways to sum:
+# outputs of every row: 576-1536 outputs make 72-1536 programs for an H200's 132 SMs. Two ways to sum:
 # - "defer": [rows, outputs, inputs] products summed once at the end (cuda_kernels' "rows" kind);
-# - "each": summed over each step's inputs (fewer registers);
-# - "dot": x rows padded to a 16-row tile, one tl.dot per step (float32 FMAs, cuda_kernels' "dot" kind). At 5-16 rows
-#   the other two cost ~1.5x their one-row call on an H200 (their register block grows with the padded row count);
-#   a tile's cost does not grow with the rows in it.
+# - "each": summed over each step's inputs (fewer registers, a reduction across threads every step).
+# The register block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 spill and it
+# costs ~4x its one-row call on an H200 (experiments/fused_units.py); the last three keep 9-16 rows' blocks small.
+# (A tl.dot form, rows padded to a 16-row tile, cost 3-10x these there at every row count: not offered.)
 CONFIGS: dict[str, tuple[str, int, int, int]] = {
     "fused_o2_k256": ("defer", 2, 256, 2),
     "fused_o4_k128": ("defer", 4, 128, 2),
@@ -48,11 +48,11 @@ CONFIGS: dict[str, tuple[str, int, int, int]] = {
     # the same blocks over twice the threads: half the registers each where 5-16 rows make the block 8-16 times larger
     "fused_o2_k256_w4": ("defer", 2, 256, 4),
     "fused_o4_k128_w4": ("defer", 4, 128, 4),
-    "fused_dot_o16_k64": ("dot", 16, 64, 2),
-    "fused_dot_o16_k128": ("dot", 16, 128, 4),
-    "fused_dot_o32_k64": ("dot", 32, 64, 4),
+    "fused_o1_k128_w4": ("defer", 1, 128, 4),
+    "fused_o2_k128_w4": ("defer", 2, 128, 4),
+    "fused_o2_k64_w4": ("defer", 2, 64, 4),
 }
-SUMS = ("defer", "each", "dot")  # the kernel's SUM: a configuration's first field, by index
+SUMS = ("defer", "each")  # the kernel's SUM: a configuration's first field, by index
 NORM_TILE = 4096  # floats the norm's prologue loads at once (64 registers a thread at two warps)
 
 _KERNEL: list = []
@@ -85,7 +85,7 @@ def _kernel():
             if SUM == 0:  # "defer": [rows, outputs, inputs] products, summed once at the end
                 acc = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
-            else:  # "each", "dot": summed over each step's inputs
+            else:  # "each": summed over each step's inputs
                 acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
             for k in range(0, i, BLOCK_K):
@@ -99,19 +99,15 @@ def _kernel():
                              other=0.0)  # [BLOCK_O, BLOCK_K]
                 if SUM == 0:
                     acc += xs[:, None, :] * ws[None, :, :]
-                elif SUM == 1:
+                else:
                     acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
-                else:  # float32 FMAs, not TF32
-                    acc += tl.dot(xs, tl.trans(ws), input_precision="ieee")
                 if GATED:
                     us = tl.load(w + (outs + o)[:, None] * stride_w + cols[None, :],
                                  mask=valid[:, None] & inside[None, :], other=0.0)
                     if SUM == 0:
                         acc_up += xs[:, None, :] * us[None, :, :]
-                    elif SUM == 1:
-                        acc_up += tl.sum(xs[:, None, :] * us[None, :, :], 2)
                     else:
-                        acc_up += tl.dot(xs, tl.trans(us), input_precision="ieee")
+                        acc_up += tl.sum(xs[:, None, :] * us[None, :, :], 2)
             if SUM == 0:
                 out = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_O]
             else:
@@ -143,7 +139,7 @@ def product(x: torch.Tensor, w: torch.Tensor, config: str, norm: tuple[torch.Ten
     if m > MAX_ROWS or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or (
             gated and w.shape[0] % 2) or (residual is not None and residual.shape != (m, o)):
         raise ValueError("the fused product takes up to 16 contiguous float32 rows and matching weights")
-    block_m = MAX_ROWS if how == "dot" else 1 << (m - 1).bit_length()
+    block_m = 1 << (m - 1).bit_length()
     # the norm's loads: whole rows where BLOCK_M of them fit NORM_TILE floats, else NORM_TILE floats of rows at a time
     norm_k = max(block_k, min(1 << (i - 1).bit_length(), NORM_TILE // block_m))
     y = torch.empty(m, o, dtype=x.dtype, device=x.device)
