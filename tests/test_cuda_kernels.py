@@ -81,7 +81,7 @@ def test_measured_forms_decode_as_pytorch_does(tmp_path):
 
         cuda_kernels.CONFIGS = {{k: cuda_kernels.CONFIGS[k] for k in ("triton_o16_k64_s2", "triton_o32_k64")}}  # brief
         cuda_fused.CONFIGS = {{"fused_o8_k64_each": cuda_fused.CONFIGS["fused_o8_k64_each"]}}
-        cuda_layer.FORMS = {{"triton_split64": (64, True)}}  # (interpreted: ~20 s, not ~50)
+        cuda_layer.FORMS = {{"triton_last64": (64, "last")}}  # (interpreted: ~20 s, not ~50)
         cuda_kernels.ATTENTION_WIDTH = 64
         base = tiny_base()
         table = CudaTable(torch.device("cpu"), path={str(tmp_path / "t.json")!r}, rows=(1, 5))
@@ -149,8 +149,9 @@ def test_a_wrong_candidate_is_left_out(tiny, monkeypatch):
 @needs_triton
 def test_one_kernel_attention_and_rope_write_compute_what_pytorch_does():
     """cuda_layer's kernels (interpreted) on ragged shapes and 1-40 queries: the attention to float32 rounding, with
-    and without a mask, over a window of a longer buffer, its output [B, h, n, d] a view of [B, n, h, d]; the rotary
-    and K/V write bitwise the lean forward's PyTorch ops, at scattered slots."""
+    and without a mask, over a window of a longer buffer, its output [B, h, n, d] a view of [B, n, h, d], the split
+    form joined by its last block bitwise the one joined by a second kernel; the rotary and K/V write bitwise the lean
+    forward's PyTorch ops, at scattered slots."""
     out = interpreted("""
         import torch
         from specdec.sampling import cuda_layer
@@ -168,6 +169,11 @@ def test_one_kernel_attention_and_rope_write_compute_what_pytorch_does():
                     ref, got = math_attention(q, k, v, m, 0.125), cuda_layer.attention(q, k, v, m, 0.125, form)
                     assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
                     worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+                # the last block's join is the join kernel's, in the same order, and leaves its counters zero
+                for width in (64, 128):
+                    exact &= torch.equal(cuda_layer.attention(q, k, v, m, 0.125, f"triton_last{width}"),
+                                         cuda_layer.attention(q, k, v, m, 0.125, f"triton_split{width}"))
+                exact &= not cuda_layer.counters(q.device).any()
             qkv = torch.randn(b, n, (h + 2 * kv) * d, generator=g)
             angle = torch.randn(b, 1, n, d, generator=g)
             slots = torch.stack([torch.randperm(w, generator=g)[:n] for _ in range(b)])  # [B, n]
@@ -376,3 +382,27 @@ def test_fused_units_are_left_out_where_they_fail_or_differ(tiny, monkeypatch):
     assert {u for c in table._measure_fused(layers).values() for u in c.values()} == {"torch"}
     off = CudaTable(torch.device("cpu"), path=None, rows=(1, 3), triton=False)
     assert off._measure_fused(layers) == {} and set(off.fused_plan(layers[0])) == {None}
+
+
+@needs_triton
+def test_fused_units_report_times_every_configuration(tmp_path):
+    """experiments/fused_units.py (interpreted, tiny shapes): every unit at each row count has the unfused time and
+    each configuration's, and a configuration that computes something else is marked, not timed."""
+    out = interpreted(f"""
+        import json, runpy, sys
+        from specdec.sampling import cuda_fused
+        cuda_fused.CONFIGS["fused_wrong"] = ("defer", 2, 64, 4)
+        real = cuda_fused.product
+        cuda_fused.product = lambda x, w, c, **kw: real(x, w, "fused_o2_k64_w4", **kw) * (2 if c == "fused_wrong" else 1)
+        sys.argv = ["fused_units.py", "--device", "cpu", "--rows", "1", "3", "--layers", "2", "--hidden", "64",
+                    "--qkv", "96", "--mlp", "80", "--configs", "fused_o1_k128_w4", "fused_wrong",
+                    "--out", {str(tmp_path)!r}]
+        runpy.run_path("experiments/fused_units.py", run_name="__main__")
+        print(json.dumps(json.load(open({str(tmp_path / "fused_units.json")!r}))["us_per_call"]))
+    """)
+    import json
+    times = json.loads(out.splitlines()[-1])
+    assert set(times) == set(cuda_fused.UNITS) and all(set(rows) == {"1", "3"} for rows in times.values())
+    for rows in times.values():
+        for row in rows.values():
+            assert row["torch"] > 0 and row["fused_o1_k128_w4"] > 0 and row["fused_wrong"] == "!"

@@ -8,8 +8,9 @@ add, two scatters, slower at n > 1 where their inputs are strided). Here each is
 
 - `attention`: softmax(q·kᵀ·scale + mask)·v for up to 64 queries (a tree's verify), the keys in blocks with a running
   max (the online softmax): one program per (row, query head) walking all the keys, or split, one per block of keys
-  and a second kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the other lost to
-  matmul + softmax: a few programs walking 512 keys in sequence). It writes [B, n, heads, d] and returns the
+  and a second kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the
+  other lost to matmul + softmax: a few programs walking 512 keys in sequence), or split and joined by whichever
+  block's program finishes last (no second kernel). It writes [B, n, heads, d] and returns the
   [B, heads, n, d] view of it, so the o_proj input that LeanLayer makes from it (transpose, reshape) is a view, not a
   copy. Float32 products (no TF32): the attention to float32 rounding, like the math form.
 - `rope_write`: q and k rotated as LeanLayer rotates them (x·cos + roll(x, d/2)·sin', separately rounded: bitwise the
@@ -32,12 +33,18 @@ from specdec.sampling.cache import SlotCache
 from specdec.sampling.lean import split_rotate
 
 MAX_QUERIES = 64  # queries per program: one block of 16, 32 or 64 rows (tl.dot's smallest tile side is 16)
-# attention candidates: name -> (keys per step of the online softmax, split: one program per block of keys and a second
-# kernel joining their partial sums, as in flash-decoding; else one program walks all the keys)
-FORMS = {"triton_w64": (64, False), "triton_w128": (128, False), "triton_split64": (64, True),
-         "triton_split128": (128, True)}
+# attention candidates: name -> (keys per step of the online softmax, how the keys are shared out):
+# - "walk": one program per (row, query head) walks all the keys;
+# - "split": one program per block of keys, and a second kernel joining their partial sums (flash-decoding);
+# - "last": split, and the block's program that finishes last joins them (a counter per head, counted atomically):
+#   no second kernel, whose launch and gap on the stream cost an H200 ~4.5 µs a layer (forty-second session's profile:
+#   the join 90 µs of a 1.2 ms step at one token) while its work is a few hundred floats.
+FORMS = {"triton_w64": (64, "walk"), "triton_w128": (128, "walk"), "triton_split64": (64, "split"),
+         "triton_split128": (128, "split"), "triton_last64": (64, "last"), "triton_last128": (128, "last")}
 
 _KERNELS: dict[str, object] = {}
+COUNTERS = 4096  # per device, one int32 per (row, query head) of a "last" attention: zero between calls
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _kernels() -> dict[str, object]:
@@ -45,12 +52,39 @@ def _kernels() -> dict[str, object]:
         import triton
         import triton.language as tl
 
+        @triton.jit
+        def join_sums(part, out, b, head, heads, splits, n, so_b, so_n, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+            # the split attention's partial sums of (b, head) over its key blocks, in block order, rescaled to their
+            # common max (loads past the L1: another SM wrote them)
+            rows = tl.arange(0, BLOCK_N)
+            dims = tl.arange(0, BLOCK_D)
+            top = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_N], tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            for s in range(0, splits):
+                cell = part + ((b * heads + head) * splits + s) * BLOCK_N * (BLOCK_D + 2) + rows * (BLOCK_D + 2)
+                its_top = tl.load(cell + BLOCK_D, cache_modifier=".cg")
+                new_top = tl.maximum(top, its_top)
+                keep, its_keep = tl.exp(top - new_top), tl.exp(its_top - new_top)
+                acc = acc * keep[:, None] + tl.load(cell[:, None] + dims[None, :], cache_modifier=".cg") * its_keep[
+                    :, None]
+                total = total * keep + tl.load(cell + BLOCK_D + 1, cache_modifier=".cg") * its_keep
+                top = new_top
+            tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
+                     mask=(rows < n)[:, None] & (dims < D)[None, :])
+
+        # (a module global, where the kernels below find it when Triton compiles them on any of its versions)
+        globals()["_join_sums"] = join_sums
+
         @triton.jit(do_not_specialize=["n", "w"])
-        def attention(q, k, v, mask, out, part, n, w, scale, sq_b, sq_h, sq_n, sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b,
-                      sm_n, so_b, so_n, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr):
+        def attention(q, k, v, mask, out, part, counts, n, w, scale, sq_b, sq_h, sq_n, sk_b, sk_h, sk_w, sv_b, sv_h,
+                      sv_w, sm_b, sm_n, so_b, so_n, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+                      LAST: tl.constexpr):
             # program (b, head, s): the n queries of one query head over the w keys of its KV head (SPLIT: over its
-            # s-th block of BLOCK_W keys, the partial max, sum and weighted values written to part for `join`)
+            # s-th block of BLOCK_W keys, the partial max, sum and weighted values written to part for `join`, or with
+            # LAST joined by the program of (b, head) that counts last)
             b = tl.program_id(0)
             head = tl.program_id(1)
             kv = head // GROUP
@@ -91,31 +125,22 @@ def _kernels() -> dict[str, object]:
                 tl.store(cell[:, None] + dims[None, :], acc)
                 tl.store(cell + BLOCK_D, top)
                 tl.store(cell + BLOCK_D + 1, total)
+                if LAST:  # every thread's stores above, then one acq_rel count: the last to count sees them all
+                    tl.debug_barrier()
+                    counter = counts + b * tl.num_programs(1) + head
+                    if tl.atomic_add(counter, 1) == tl.num_programs(2) - 1:
+                        _join_sums(part, out, b, head, tl.num_programs(1), tl.num_programs(2), n, so_b, so_n, D,
+                                   BLOCK_D, BLOCK_N)
+                        tl.atomic_xchg(counter, 0)  # zero again for the next call (a graph's replays reuse it)
             else:
                 tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
                          mask=live[:, None] & inside_d[None, :])
 
         @triton.jit(do_not_specialize=["n", "splits"])
         def join(part, out, n, splits, so_b, so_n, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-            # program (b, head): the split attention's partial sums over its key blocks, rescaled to their common max
-            b = tl.program_id(0)
-            head = tl.program_id(1)
-            rows = tl.arange(0, BLOCK_N)
-            dims = tl.arange(0, BLOCK_D)
-            top = tl.full([BLOCK_N], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_N], tl.float32)
-            acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-            for s in range(0, splits):
-                cell = part + ((b * tl.num_programs(1) + head) * splits + s) * BLOCK_N * (BLOCK_D + 2) + rows * (
-                    BLOCK_D + 2)
-                its_top = tl.load(cell + BLOCK_D)
-                new_top = tl.maximum(top, its_top)
-                keep, its_keep = tl.exp(top - new_top), tl.exp(its_top - new_top)
-                acc = acc * keep[:, None] + tl.load(cell[:, None] + dims[None, :]) * its_keep[:, None]
-                total = total * keep + tl.load(cell + BLOCK_D + 1) * its_keep
-                top = new_top
-            tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
-                     mask=(rows < n)[:, None] & (dims < D)[None, :])
+            # program (b, head): join_sums as its own kernel, after the attention's
+            _join_sums(part, out, tl.program_id(0), tl.program_id(1), tl.num_programs(1), splits, n, so_b, so_n, D,
+                       BLOCK_D, BLOCK_N)
 
         @triton.jit(do_not_specialize=["n"])
         def rope_write(qkv, cos, sin, slots, q_out, keys, values, n, sc_b, sc_n, ss_b, ss_n, sl_b, sk_b, sk_h, sk_w,
@@ -176,23 +201,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if n > MAX_QUERIES or h % kv or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (q, k, v)) or (
             mask is not None and (mask.shape[1] != 1 or mask.stride(-1) != 1)):
         raise ValueError("attention takes up to 64 float32 queries, grouped KV heads and rows of d contiguous")
-    block_w, split = FORMS[form]
+    block_w, how = FORMS[form]
+    split, last = how != "walk", how == "last" and b * h <= COUNTERS and counters(q.device) is not None
     block_d = max(16, 1 << (d - 1).bit_length())
     block_n = max(16, 1 << (n - 1).bit_length())  # (a compiled variant per size: 16, 32, 64)
     splits = -(-w // block_w) if split else 1
     out = torch.empty(b, n, h, d, dtype=q.dtype, device=q.device)
     part = q.new_empty(b, h, splits, block_n, block_d + 2) if split else out  # (unread unless split)
     m = mask.expand(b, 1, n, w) if mask is not None else q  # (any tensor: not read without a mask)
+    counts = counters(q.device) if last else out  # (unread unless last)
     kernels = _kernels()
     kernels["attention"][(b, h, splits)](
-        q, k, v, m, out, part, n, w, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, m, out, part, counts, n, w, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(-2), out.stride(0), out.stride(1),
         GROUP=h // kv, D=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_W=block_w, HAS_MASK=mask is not None,
-        SPLIT=split, num_warps=4)
-    if split:
+        SPLIT=split, LAST=last, num_warps=4)
+    if split and not last:
         kernels["join"][(b, h)](part, out, n, splits, out.stride(0), out.stride(1), D=d, BLOCK_D=block_d,
                                 BLOCK_N=block_n, num_warps=4)
     return out.transpose(1, 2)
+
+
+def counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed counters of the "last" attention, made on first use in the eager runs that warm a graph
+    recording up (None inside a recording before that: its memory would be the graph's); every call leaves them zero."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
