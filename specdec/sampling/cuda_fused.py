@@ -7,7 +7,7 @@ residual adds (71), the SiLU (49) and the multiply by up (36) do a few thousand 
 leaves a gap of ~1 µs on the stream besides. Here they ride along with the products next to them:
 
 - unit "front": RMSNorm(x)·W_qkvᵀ, the input norm as the product's prologue (each program sums its rows' squares
-  itself: a row is 576 floats, read from L2);
+  itself: a row is 576 floats, read from L2 in one load where the rows fit NORM_TILE);
 - unit "gated": silu(x'·W_gateᵀ)·(x'·W_upᵀ), x' = RMSNorm(x): the post-attention norm before, the activation and the
   multiply after, each program reading the gate rows and the up rows of its outputs;
 - units "o" and "down": r + x·Wᵀ, the residual add after the o_proj and down_proj products.
@@ -19,7 +19,9 @@ unit per layer geometry and row count, unfused (the norm, the product measured f
 against every configuration below, one pass over all the layers of that geometry recorded as a CUDA graph, and keeps a
 fused form only where it reproduces the unfused one (to the table's float32 tolerance) and is faster. Like the other
 Triton kernels they run only inside graph recordings (cuda_layer.launchable). On an H200 (forty-first session,
-experiments/results/cuda_s41) our graphed AR loop ran 1.21× the same loop unfused, T_1 1.17 ms against 1.37."""
+experiments/results/cuda_s41) our graphed AR loop ran 1.21× the same loop unfused, T_1 1.17 ms against 1.37; with
+the norm's rows loaded at once (forty-second session, another H200, results/cuda_s42/norm_prologue) 1.31×, T_1 1.21 ms
+against 1.40."""
 
 from __future__ import annotations
 
@@ -37,9 +39,11 @@ UNITS = ("front", "gated", "o", "down")
 # outputs of every row: 576-1536 outputs make 72-1536 programs for an H200's 132 SMs. Two ways to sum:
 # - "defer": [rows, outputs, inputs] products summed once at the end (cuda_kernels' "rows" kind);
 # - "each": summed over each step's inputs (fewer registers, a reduction across threads every step).
-# The register block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 spill and it
-# costs ~4x its one-row call on an H200 (experiments/fused_units.py); the last three keep 9-16 rows' blocks small.
-# (A tl.dot form, rows padded to a 16-row tile, cost 3-10x these there at every row count: not offered.)
+# The register block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 cost ~3x its
+# one-row call on an H200, where o2_k64_w4 costs 15.4-15.9 µs against its 5.7 (experiments/fused_units.py,
+# results/cuda_s42/fused_units). The last three keep 9-16 rows' blocks small; o1_k128_w4 is the fastest gated, o and
+# down at one row there. (A tl.dot form, rows padded to a 16-row tile, was offered in the forty-second session and
+# never chosen on an H200: not offered.)
 CONFIGS: dict[str, tuple[str, int, int, int]] = {
     "fused_o2_k256": ("defer", 2, 256, 2),
     "fused_o4_k128": ("defer", 4, 128, 2),
