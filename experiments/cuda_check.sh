@@ -18,14 +18,17 @@
 #          interleaved processes (experiments/ab_trees.py)
 #   verify_forms  the kernels of one recorded verify forward at n = 1 and 5, and v(n) with the products and the attention
 #          in other forms (experiments/profile_verify.py)
+#   fused_units  every configuration of cuda_fused's units per row count against the unfused ops
+#          (experiments/fused_units.py)
 #   prophet the prophet recipe end to end: the feature cache of every completion answer shipped, the recipe's 3000
 #          steps (capped at PROPHET_MAX_TIME, default 4 min), HumanEval at chain γ = 4 and as a dynamic tree of depth 6
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
-# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, prophet)
+# of them and drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, fused_units, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
 # script exits non-zero if any failed. What each took on an H200 (thirty-sixth to forty-first sessions), for a lent
 # GPU's budget of device time: tests 80-155 s, bench 175-225 s (the CUDA table measured in it, 50-70 s, 100-115 s since
-# the fused units of cuda_fused.py), verify_forms 30-35 s with that table cached (~170 s without), demo 235-300 s (features 48, training 62, the two evaluations 80 + 44,
+# the fused units of cuda_fused.py), verify_forms 30-35 s with that table cached (~170-230 s without), fused_units
+# ~60 s, demo 235-300 s (features 48, training 62, the two evaluations 80 + 44,
 # the first of them 150 s when it measures the CUDA table) plus its round profile; a fresh machine's start and the
 # workplace setup ~50-100 s more. Each step on a fresh machine measures the table again unless an earlier step did.
 set -u
@@ -100,6 +103,8 @@ for s in ${STEPS:-tests bench demo}; do
         $([ -d "$work/train/drafter" ] && echo --drafter "$work/train/drafter") ;;
     verify_forms)  # why a verify of a few tokens costs more than a decode step here
       step verify_forms "$py" experiments/profile_verify.py --device cuda --out "$out/profile_verify" ;;
+    fused_units)  # each cuda_fused configuration per unit and row count (no base, no table: ~60 s)
+      step fused_units "$py" experiments/fused_units.py --device cuda --out "$out/fused_units" ;;
     prophet)  # the best family's recipe end to end on the GPU: make features-completions, the recipe, HumanEval
       step prophet_features "$py" -m specdec.data.features data=completions out_dir="$work/completions" \
         hydra.run.dir="$work/completions_run"
