@@ -2,6 +2,7 @@
 Triton's interpreter (a subprocess with TRITON_INTERPRET=1), the table, the patching and the fallbacks. Their speed
 is measured on a GPU (experiments/profile_verify.py, cuda_check.sh), never here."""
 
+import json
 import os
 import subprocess
 import sys
@@ -400,7 +401,6 @@ def test_fused_units_report_times_every_configuration(tmp_path):
         runpy.run_path("experiments/fused_units.py", run_name="__main__")
         print(json.dumps(json.load(open({str(tmp_path / "fused_units.json")!r}))["us_per_call"]))
     """)
-    import json
     times = json.loads(out.splitlines()[-1])
     assert set(times) == set(cuda_fused.UNITS) and all(set(rows) == {"1", "3"} for rows in times.values())
     for rows in times.values():

@@ -43,7 +43,9 @@ FORMS = {"triton_w64": (64, "walk"), "triton_w128": (128, "walk"), "triton_split
          "triton_split128": (128, "split"), "triton_last64": (64, "last"), "triton_last128": (128, "last")}
 
 _KERNELS: dict[str, object] = {}
-COUNTERS = 4096  # per device, one int32 per (row, query head) of a "last" attention: zero between calls
+# per device, one int32 per (row, query head) of a "last" attention, zero between calls: two such attentions must not
+# run at once on two streams of one device (a decode runs its graphs on one stream)
+COUNTERS = 4096
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
