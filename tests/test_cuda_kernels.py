@@ -81,7 +81,7 @@ def test_measured_forms_decode_as_pytorch_does(tmp_path):
         from specdec.sampling.decode import SamplerConfig, _generate
 
         cuda_kernels.CONFIGS = {{k: cuda_kernels.CONFIGS[k] for k in ("triton_o16_k64_s2", "triton_o32_k64")}}  # brief
-        cuda_fused.CONFIGS = {{"fused_o8_k64_each": cuda_fused.CONFIGS["fused_o8_k64_each"]}}
+        cuda_fused.CONFIGS = {{"fused_o8_k128": cuda_fused.CONFIGS["fused_o8_k128"]}}
         cuda_layer.FORMS = {{"triton_last64": (64, "last")}}  # (interpreted: ~20 s, not ~50)
         cuda_kernels.ATTENTION_WIDTH = 64
         base = tiny_base()
@@ -287,17 +287,19 @@ def test_graph_keys_name_the_forms_in_use(tiny, tmp_path):
 
 @needs_triton
 def test_fused_products_compute_the_unfused_ops():
-    """cuda_fused's kernel (interpreted) for every configuration on ragged shapes and 1-16 rows: the RMSNorm before the
-    product, the SiLU·up after it, the residual add, each to float32 rounding of the PyTorch ops."""
+    """cuda_fused's kernel (interpreted) for every configuration on ragged shapes and 1-16 rows, in row groups where
+    the configuration has them: the RMSNorm before the product, the SiLU·up after it, the residual add, each to float32
+    rounding of the PyTorch ops."""
     out = interpreted("""
         import torch
         import torch.nn.functional as F
         from specdec.sampling.cuda_fused import CONFIGS, product
         g = torch.Generator().manual_seed(0)
         worst = 0.0
-        # outputs and inputs not multiples of the blocks; 600 inputs: the norm's prologue loads 16 rows in three steps
-        for o, i in [(10, 70), (36, 160), (12, 600)]:
-            for m in (1, 3, 16):
+        # outputs and inputs not multiples of the blocks (3 and 16 rows: one row group or several); 600 inputs: the
+        # norm's prologue loads 16 rows in three steps
+        for o, i, counts in [(10, 70, (1, 3, 16)), (36, 160, (1, 3, 16)), (12, 600, (16,))]:
+            for m in counts:
                 x, nw, r = torch.randn(m, i, generator=g), torch.randn(i, generator=g), torch.randn(m, o, generator=g)
                 w, w2 = torch.randn(o, i, generator=g), torch.randn(2 * o, i, generator=g)
                 xn = F.rms_norm(x, (i,), nw, 1e-5)
@@ -329,7 +331,7 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
             return _f(x, w, config, norm=norm, gated=gated, residual=residual)
         base = tiny_base(hidden_size=64)
         fast = lean_layers(base.model)
-        cuda_fused.CONFIGS = {"fused_o8_k64_each": cuda_fused.CONFIGS["fused_o8_k64_each"]}  # (interpreted: brief)
+        cuda_fused.CONFIGS = {"fused_o8_k128": cuda_fused.CONFIGS["fused_o8_k128"]}  # (interpreted: brief)
         table = cuda_kernels.CudaTable(torch.device("cpu"), path=None, rows=(1, 5), triton=True)
         table.choice = {s: {r: "linear" for r in table.rows}  # products F.linear: only the fused units differ
                         for s in map(cuda_kernels._shape_key, (m.weight for m in cuda_kernels.decode_linears(base)))}
@@ -340,7 +342,7 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
             pass
         measured = all(set(units) == set(cuda_fused.UNITS) for c in table.fused.values() for units in c.values())
         for block in table.fused:
-            table.fused[block] = {r: {u: "fused_o8_k64_each" for u in cuda_fused.UNITS} for r in table.rows}
+            table.fused[block] = {r: {u: "fused_o8_k128" for u in cuda_fused.UNITS} for r in table.rows}
         cuda_fused.product = counted
 
 
@@ -392,7 +394,7 @@ def test_fused_units_report_times_every_configuration(tmp_path):
     out = interpreted(f"""
         import json, runpy, sys
         from specdec.sampling import cuda_fused
-        cuda_fused.CONFIGS["fused_wrong"] = ("defer", 2, 64, 4)
+        cuda_fused.CONFIGS["fused_wrong"] = (2, 64, 4, 0)
         real = cuda_fused.product
         cuda_fused.product = lambda x, w, c, **kw: real(x, w, "fused_o2_k64_w4", **kw) * (2 if c == "fused_wrong" else 1)
         sys.argv = ["fused_units.py", "--device", "cpu", "--rows", "1", "3", "--layers", "2", "--hidden", "64",

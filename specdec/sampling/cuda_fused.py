@@ -35,28 +35,31 @@ from specdec.sampling.lean import rms_form
 
 MAX_ROWS = 16  # rows per call (one register block of x rows per program)
 UNITS = ("front", "gated", "o", "down")
-# name -> (how a step's products are summed, outputs per program, inputs per step, warps). A program covers BLOCK_O
-# outputs of every row: 576-1536 outputs make 72-1536 programs for an H200's 132 SMs. Two ways to sum:
-# - "defer": [rows, outputs, inputs] products summed once at the end (cuda_kernels' "rows" kind);
-# - "each": summed over each step's inputs (fewer registers, a reduction across threads every step).
-# The register block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 cost ~3x its
-# one-row call on an H200, where o2_k64_w4 costs 15.4-15.9 µs against its 5.7 (experiments/fused_units.py,
-# results/cuda_s42/fused_units). The last three keep 9-16 rows' blocks small; o1_k128_w4 is the fastest gated, o and
-# down at one row there. (A tl.dot form, rows padded to a 16-row tile, was offered in the forty-second session and
-# never chosen on an H200: not offered.)
-CONFIGS: dict[str, tuple[str, int, int, int]] = {
-    "fused_o2_k256": ("defer", 2, 256, 2),
-    "fused_o4_k128": ("defer", 4, 128, 2),
-    "fused_o8_k128": ("defer", 8, 128, 4),
-    "fused_o8_k64_each": ("each", 8, 64, 2),
+# name -> (outputs per program, inputs per step, warps, rows per program: 0 all of the call's). A program covers
+# BLOCK_O outputs of its rows: 576-1536 outputs make 72-1536 programs for an H200's 132 SMs (times the row groups).
+# Each step's products go into a [rows, outputs, inputs] register block, summed once at the end (cuda_kernels' "rows"
+# kind), so the block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 cost ~3x
+# its one-row call on an H200, where o2_k64_w4 costs 15.4-15.9 µs against its 5.7, and at 5 rows (padded to 8) every
+# unit costs 1.3-2x its one-row call (experiments/fused_units.py, results/cuda_s42/fused_units). Two answers: smaller
+# blocks (o1_k128_w4, o2_k128_w4, o2_k64_w4; o1_k128_w4 is also the fastest gated, o and down at one row there), and
+# row groups ("_r2", "_r4": a program per block of outputs and group of rows, the weight read once from memory and
+# again from the L2 for each further group; not yet measured on a GPU). (A tl.dot form, rows padded to a 16-row tile,
+# and one summing every step, "each", were offered in the forty-first and forty-second sessions and never chosen for
+# SmolLM2 on an H200: not offered.)
+CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    "fused_o2_k256": (2, 256, 2, 0),
+    "fused_o4_k128": (4, 128, 2, 0),
+    "fused_o8_k128": (8, 128, 4, 0),
     # the same blocks over twice the threads: half the registers each where 5-16 rows make the block 8-16 times larger
-    "fused_o2_k256_w4": ("defer", 2, 256, 4),
-    "fused_o4_k128_w4": ("defer", 4, 128, 4),
-    "fused_o1_k128_w4": ("defer", 1, 128, 4),
-    "fused_o2_k128_w4": ("defer", 2, 128, 4),
-    "fused_o2_k64_w4": ("defer", 2, 64, 4),
+    "fused_o2_k256_w4": (2, 256, 4, 0),
+    "fused_o4_k128_w4": (4, 128, 4, 0),
+    "fused_o1_k128_w4": (1, 128, 4, 0),
+    "fused_o2_k128_w4": (2, 128, 4, 0),
+    "fused_o2_k64_w4": (2, 64, 4, 0),
+    "fused_o2_k256_r2": (2, 256, 2, 2),
+    "fused_o2_k256_r4": (2, 256, 2, 4),
+    "fused_o1_k128_w4_r4": (1, 128, 4, 4),
 }
-SUMS = ("defer", "each")  # the kernel's SUM: a configuration's first field, by index
 NORM_TILE = 4096  # floats the norm's prologue loads at once (64 registers a thread at two warps)
 
 _KERNEL: list = []
@@ -70,9 +73,10 @@ def _kernel():
         @triton.jit(do_not_specialize=["m"])
         def fused(x, nw, w, r, y, m, o, i, eps, stride_x, stride_w, stride_r, stride_y, NORM: tl.constexpr,
                   GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
-                  BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SUM: tl.constexpr):
-            # program p: outputs p·BLOCK_O .. of every row; GATED: W's rows o.. 2o-1 are the up rows of rows 0.. o-1
-            rows = tl.arange(0, BLOCK_M)
+                  BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+            # program (p, g): outputs p·BLOCK_O .. of rows g·BLOCK_M ..; GATED: W's rows o.. 2o-1 are the up rows of
+            # rows 0.. o-1
+            rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             live = rows < m
             outs = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
             valid = outs < o
@@ -86,12 +90,8 @@ def _kernel():
                                  mask=live[:, None] & (cols < i)[None, :], other=0.0)  # [BLOCK_M, NORM_K]
                     squares += tl.sum(xs * xs, 1)
                 inv = 1.0 / tl.sqrt(squares / i + eps)
-            if SUM == 0:  # "defer": [rows, outputs, inputs] products, summed once at the end
-                acc = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
-            else:  # "each": summed over each step's inputs
-                acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)  # products, summed once at the end
+            acc_up = tl.zeros([BLOCK_M, BLOCK_O, BLOCK_K], tl.float32)
             for k in range(0, i, BLOCK_K):
                 cols = k + tl.arange(0, BLOCK_K)
                 inside = cols < i
@@ -101,26 +101,14 @@ def _kernel():
                     xs = (xs * inv[:, None]) * tl.load(nw + cols, mask=inside, other=0.0)[None, :]
                 ws = tl.load(w + outs[:, None] * stride_w + cols[None, :], mask=valid[:, None] & inside[None, :],
                              other=0.0)  # [BLOCK_O, BLOCK_K]
-                if SUM == 0:
-                    acc += xs[:, None, :] * ws[None, :, :]
-                else:
-                    acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+                acc += xs[:, None, :] * ws[None, :, :]
                 if GATED:
                     us = tl.load(w + (outs + o)[:, None] * stride_w + cols[None, :],
                                  mask=valid[:, None] & inside[None, :], other=0.0)
-                    if SUM == 0:
-                        acc_up += xs[:, None, :] * us[None, :, :]
-                    else:
-                        acc_up += tl.sum(xs[:, None, :] * us[None, :, :], 2)
-            if SUM == 0:
-                out = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_O]
-            else:
-                out = acc
+                    acc_up += xs[:, None, :] * us[None, :, :]
+            out = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_O]
             if GATED:  # silu(gate) · up, SiLU as x / (1 + exp(-x))
-                if SUM == 0:
-                    up = tl.sum(acc_up, 2)
-                else:
-                    up = acc_up
+                up = tl.sum(acc_up, 2)
                 out = out / (1.0 + tl.exp(-out)) * up
             here = live[:, None] & valid[None, :]
             if RESIDUAL:
@@ -136,23 +124,23 @@ def product(x: torch.Tensor, w: torch.Tensor, config: str, norm: tuple[torch.Ten
     """x [m, I] (m ≤ 16, float32, contiguous) -> [m, O]: x'·Wᵀ with x' = RMSNorm(x) where norm = (weight [I], eps) is
     given, else x; gated: W [2·O, I] holds the gate rows then the up rows, and the result is silu(x'·Gᵀ)·(x'·Uᵀ);
     residual [m, O]: added to the result."""
-    how, block_o, block_k, warps = CONFIGS[config]
+    block_o, block_k, warps, group = CONFIGS[config]
     m, i = x.shape
     o = w.shape[0] // 2 if gated else w.shape[0]
     tensors = [x, w] + ([norm[0]] if norm else []) + ([residual] if residual is not None else [])
     if m > MAX_ROWS or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or (
             gated and w.shape[0] % 2) or (residual is not None and residual.shape != (m, o)):
         raise ValueError("the fused product takes up to 16 contiguous float32 rows and matching weights")
-    block_m = 1 << (m - 1).bit_length()
+    block_m = min(1 << (m - 1).bit_length(), group or MAX_ROWS)  # rows per program
     # the norm's loads: whole rows where BLOCK_M of them fit NORM_TILE floats, else NORM_TILE floats of rows at a time
     norm_k = max(block_k, min(1 << (i - 1).bit_length(), NORM_TILE // block_m))
     y = torch.empty(m, o, dtype=x.dtype, device=x.device)
     nw, eps = norm if norm else (w, 0.0)  # (not read without NORM)
     r = residual if residual is not None else y  # (not read without RESIDUAL)
-    _kernel()[(-(-o // block_o),)](
+    _kernel()[(-(-o // block_o), -(-m // block_m))](
         x, nw, w, r, y, m, o, i, eps, x.stride(0), w.stride(0), r.stride(0), y.stride(0), NORM=norm is not None,
         GATED=gated, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_O=block_o, BLOCK_K=block_k, NORM_K=norm_k,
-        SUM=SUMS.index(how), num_warps=warps)
+        num_warps=warps)
     return y
 
 
