@@ -40,7 +40,7 @@ UNITS = ("front", "gated", "o", "down")
 # Each step's products go into a [rows, outputs, inputs] register block, summed once at the end (cuda_kernels' "rows"
 # kind), so the block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 cost ~3x
 # its one-row call on an H200, where o2_k64_w4 costs 15.4-15.9 µs against its 5.7, and at 5 rows (padded to 8) every
-# unit costs 1.3-2x its one-row call (experiments/fused_units.py, results/cuda_s42/fused_units). Two answers: smaller
+# unit costs 1.6-2.1x its one-row call (experiments/fused_units.py, results/cuda_s42/fused_units). Two answers: smaller
 # blocks (o1_k128_w4, o2_k128_w4, o2_k64_w4; o1_k128_w4 is also the fastest gated, o and down at one row there), and
 # row groups ("_r2", "_r4": a program per block of outputs and group of rows, the weight read once from memory and
 # again from the L2 for each further group; not yet measured on a GPU). (A tl.dot form, rows padded to a 16-row tile,
