@@ -408,3 +408,13 @@ def test_fused_units_report_times_every_configuration(tmp_path):
     for rows in times.values():
         for row in rows.values():
             assert row["torch"] > 0 and row["fused_o1_k128_w4"] > 0 and row["fused_wrong"] == "!"
+
+
+def test_a_row_group_as_large_as_the_call_is_measured_once():
+    """cuda_fused.distinct: at 1-2 rows a group of 2 or 4 rows launches as its configuration without groups (left out),
+    at 3-4 a group of 2 differs, at 5-16 every configuration does."""
+    groups = {c for c, (*_, group) in cuda_fused.CONFIGS.items() if group}
+    assert {2, 4} <= {cuda_fused.CONFIGS[c][3] for c in groups}
+    assert set(cuda_fused.distinct(1)) == set(cuda_fused.distinct(2)) == set(cuda_fused.CONFIGS) - groups
+    assert set(cuda_fused.CONFIGS) - set(cuda_fused.distinct(3)) == {c for c in groups if cuda_fused.CONFIGS[c][3] == 4}
+    assert all(cuda_fused.distinct(n) == list(cuda_fused.CONFIGS) for n in (5, 9, 16))

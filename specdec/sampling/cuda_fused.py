@@ -119,6 +119,18 @@ def _kernel():
     return _KERNEL[0]
 
 
+def distinct(rows: int) -> list[str]:
+    """The configurations that launch differently at `rows` rows (a row group as large as the padded count is its
+    configuration without groups: measured once, under the first name)."""
+    seen, names = set(), []
+    for name, (block_o, block_k, warps, group) in CONFIGS.items():
+        launch = (block_o, block_k, warps, min(1 << (rows - 1).bit_length(), group or MAX_ROWS))
+        if launch not in seen:
+            seen.add(launch)
+            names.append(name)
+    return names
+
+
 def product(x: torch.Tensor, w: torch.Tensor, config: str, norm: tuple[torch.Tensor, float] | None = None,
             gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, I] (m ≤ 16, float32, contiguous) -> [m, O]: x'·Wᵀ with x' = RMSNorm(x) where norm = (weight [I], eps) is

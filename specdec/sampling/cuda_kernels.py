@@ -355,7 +355,8 @@ class CudaTable:
     def _measure_fused(self, layers: list) -> dict[int, dict[str, str]]:
         """{rows: {unit: configuration or "torch"}} for cuda_fused's units over layers of one geometry, up to its 16
         rows: each unfused (the layer's norm, the product this table chose for the shape at that count, the ops after)
-        against every configuration that reproduces it, timed as one pass over all the layers."""
+        against every configuration that reproduces it (each way of launching once), timed as one pass over all the
+        layers."""
         if not self.triton:
             return {}
         f0 = layers[0]
@@ -374,7 +375,7 @@ class CudaTable:
                 unfused, fused = forms[0][unit]
                 reference = unfused(n, *args)
                 usable = {"torch": None}
-                for name in cuda_fused.CONFIGS:
+                for name in cuda_fused.distinct(n):
                     try:  # one that fails to build here, or computes something else, is left out
                         if torch.allclose(fused(name, *args), reference, rtol=0,
                                           atol=TOLERANCE * float(reference.abs().max())):
