@@ -130,10 +130,11 @@ def _kernels() -> dict[str, object]:
                 if LAST:  # every thread's stores above, then one acq_rel count: the last to count sees them all
                     tl.debug_barrier()
                     counter = counts + b * tl.num_programs(1) + head
-                    if tl.atomic_add(counter, 1) == tl.num_programs(2) - 1:
+                    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
                         _join_sums(part, out, b, head, tl.num_programs(1), tl.num_programs(2), n, so_b, so_n, D,
                                    BLOCK_D, BLOCK_N)
-                        tl.atomic_xchg(counter, 0)  # zero again for the next call (a graph's replays reuse it)
+                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next call (a graph's
+                        # replays reuse it; the kernel's end orders it before them)
             else:
                 tl.store(out + b * so_b + rows[:, None] * so_n + head * D + dims[None, :], acc / total[:, None],
                          mask=live[:, None] & inside_d[None, :])
