@@ -28,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.sampling import compact, cuda_kernels, native, native_layer  # noqa: E402
+from specdec.sampling import compact, cuda_fused, cuda_kernels, native, native_layer  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
@@ -416,9 +416,9 @@ def render(r: dict) -> str:
                                               for g, c in r["cuda_kernels"]["attention"].items())
                 + "; rotary + K/V write: " + "; ".join(f"{g} " + ", ".join(f"{n}: {k}" for n, k in c.items())
                                                        for g, c in r["cuda_kernels"].get("rope", {}).items())
-                + "; fused units (cuda_fused: front, gated, o, down): " + "; ".join(
+                + f"; fused units (cuda_fused: {', '.join(cuda_fused.UNITS)}): " + "; ".join(
                     f"{g} " + ", ".join(f"{n}: " + "/".join(u.get(k, "-").removeprefix("fused_")
-                                                             for k in ("front", "gated", "o", "down"))
+                                                             for k in cuda_fused.UNITS)
                                         for n, u in c.items())
                     for g, c in r["cuda_kernels"].get("fused", {}).items()), ""]
                if r.get("cuda_kernels") else []),

@@ -4,9 +4,10 @@
 
 The CUDA table (cuda_kernels.CudaTable._measure_fused) keeps only each unit's fastest form; this prints them all, to see
 where a kernel loses and why (which row counts, which units). Each unit runs over --layers distinct weights of the
-base's shapes (SmolLM2-135M's by default: hidden 576, q|k|v 960, mlp 1536), one pass recorded as a CUDA graph and
-replayed, so the weights stream from memory as in a forward rather than sit in the L2; µs per call. "torch" is the
-unfused PyTorch ops (F.rms_norm, F.linear, F.silu, the adds). A configuration that fails to build or computes something
+base's shapes (SmolLM2-135M's by default: hidden 576, q|k|v 960 of 9 + 3 + 3 heads of 64, mlp 1536), one pass
+recorded as a CUDA graph and replayed, so the weights stream from memory as in a forward rather than sit in the L2; µs
+per call. "torch" is the unfused PyTorch ops (F.rms_norm, F.linear, F.silu, the adds; for front_rope the rotary and
+K/V write of the lean forward after them). A configuration that fails to build or computes something
 else (beyond the table's float32 tolerance) is marked so. On a CPU it runs too (eager calls, Triton interpreted where
 TRITON_INTERPRET=1), which is how it is tested. Writes DIR/fused_units.json."""
 
@@ -17,13 +18,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec.sampling import cuda_fused  # noqa: E402
+from specdec.sampling import cuda_fused, cuda_layer  # noqa: E402
 from specdec.sampling.cuda_kernels import TOLERANCE  # noqa: E402
+from specdec.sampling.lean import lean_rope  # noqa: E402
 
 
 def per_call(calls: list, device: torch.device) -> float:
@@ -58,17 +61,31 @@ def per_call(calls: list, device: torch.device) -> float:
     return best
 
 
-def unit_ops(unit: str, w: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, r: torch.Tensor):
-    """(the unfused PyTorch ops, the fused kernel's keyword arguments) of one unit on weight w [O or 2·O, I]."""
+def unit_ops(unit: str, w: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, r: torch.Tensor, heads: int, kv: int,
+             d: int) -> tuple[Callable, Callable]:
+    """(the unfused PyTorch ops, config -> the fused kernel) of one unit on weight w [O or 2·O, I]; front_rope: x is
+    one sequence of m tokens, its K/V written to slots of a 512-slot cache."""
     eps = 1e-5
+    if unit == "front_rope":
+        angle = torch.randn(1, x.shape[0], d, device=x.device)
+        rope = lean_rope(angle.cos(), angle.sin())
+        slots = torch.arange(x.shape[0], device=x.device)[None] + 256
+        keys, values = (torch.zeros(1, kv, 512, d, device=x.device) for _ in range(2))
+        x3 = x[None]  # [1, m, I]
+
+        def unfused():
+            qkv = F.linear(F.rms_norm(x3, (x.shape[1],), norm, eps), w)
+            return cuda_layer.rope_write_torch(qkv, *rope, slots, keys, values, heads)
+        return unfused, lambda c: cuda_fused.front_rope(x3, w, c, (norm, eps), rope, slots, keys, values, heads)
     if unit == "front":
-        return (lambda: F.linear(F.rms_norm(x, (x.shape[1],), norm, eps), w)), {"norm": (norm, eps)}
+        return (lambda: F.linear(F.rms_norm(x, (x.shape[1],), norm, eps), w)), (
+            lambda c: cuda_fused.product(x, w, c, norm=(norm, eps)))
     if unit == "gated":
         def gated():
             y = F.linear(F.rms_norm(x, (x.shape[1],), norm, eps), w)  # [m, 2·O]: gate | up
             return F.silu(y[:, :w.shape[0] // 2]) * y[:, w.shape[0] // 2:]
-        return gated, {"norm": (norm, eps), "gated": True}
-    return (lambda: r + F.linear(x, w)), {"residual": r}
+        return gated, lambda c: cuda_fused.product(x, w, c, norm=(norm, eps), gated=True)
+    return (lambda: r + F.linear(x, w)), lambda c: cuda_fused.product(x, w, c, residual=r)
 
 
 def main() -> None:
@@ -79,6 +96,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--qkv", type=int, default=960)
     ap.add_argument("--mlp", type=int, default=1536)
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], help="query heads, KV heads, head size")
     ap.add_argument("--configs", nargs="*", default=list(cuda_fused.CONFIGS))
     ap.add_argument("--out", default="experiments/results/fused_units")
     args = ap.parse_args()
@@ -86,8 +104,11 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     h = args.hidden
     # unit -> (outputs of its weight, inputs, outputs of the unit)
-    shapes = {"front": (args.qkv, h, args.qkv), "gated": (2 * args.mlp, h, args.mlp), "o": (h, h, h),
-              "down": (h, args.mlp, h)}
+    shapes = {"front": (args.qkv, h, args.qkv), "front_rope": (args.qkv, h, args.qkv),
+              "gated": (2 * args.mlp, h, args.mlp), "o": (h, h, h), "down": (h, args.mlp, h)}
+    heads, kv, d = args.heads
+    if args.qkv != (heads + 2 * kv) * d:
+        raise SystemExit(f"--qkv {args.qkv} is not (heads + 2·kv)·d of --heads {heads} {kv} {d}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"[{name}] µs per call, {args.layers} distinct weights per pass; '!' computes something else, 'fail' did "
           f"not build")
@@ -99,11 +120,11 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, i, device=device, generator=g)
             r = torch.randn(m, out, device=device, generator=g)
-            ops = [unit_ops(unit, w, nw, x, r) for w, nw in zip(weights, norms)]
+            ops = [unit_ops(unit, w, nw, x, r, heads, kv, d) for w, nw in zip(weights, norms)]
             row: dict[str, float | str] = {"torch": per_call([u for u, _ in ops], device)}
             want = ops[0][0]()
             for config in args.configs:
-                calls = [(lambda w=w, kw=kw: cuda_fused.product(x, w, config, **kw)) for w, (_, kw) in zip(weights, ops)]
+                calls = [(lambda f=f: f(config)) for _, f in ops]
                 try:
                     got = calls[0]()
                     if not torch.allclose(got, want, rtol=0, atol=TOLERANCE * float(want.abs().max())):

@@ -206,7 +206,7 @@ def main() -> None:
             print(f"  (measured in {table.measure_s:.1f} s: " + "; ".join(
                 f"{s} " + ",".join(f"{n}:{k.removeprefix('triton_')}" for n, k in c.items())
                 for s, c in (table.choice | table.attention | {f"rope {g}": c for g, c in table.rope.items()}).items())
-                + "; fused front/gated/o/down: " + "; ".join(
+                + "; fused " + "/".join(cuda_fused.UNITS) + ": " + "; ".join(
                     f"{g} " + ",".join(f"{n}:" + "/".join(u.get(k, "-").removeprefix("fused_") for k in cuda_fused.UNITS)
                                        for n, u in c.items()) for g, c in table.fused.items()) + ")")
             for n in args.kernels:

@@ -316,10 +316,45 @@ def test_fused_products_compute_the_unfused_ops():
 
 
 @needs_triton
+def test_front_rope_is_the_front_unit_then_the_rotary_and_the_write():
+    """cuda_fused.front_rope (interpreted) for configurations of 1, 2 and 8 output pairs a program, one of them in row
+    groups: q and the K/V buffers written at scattered slots as the input norm, the q|k|v product and cuda_layer's
+    rotary + write in PyTorch ops give them, to float32 rounding; on SmolLM2's heads (9 + 3 + 3 of 64) and on heads
+    of 24, where a program's 8 pairs straddle two heads."""
+    out = interpreted("""
+        import torch
+        import torch.nn.functional as F
+        from specdec.sampling import cuda_layer
+        from specdec.sampling.cuda_fused import front_rope
+        from specdec.sampling.lean import lean_rope
+        g = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for b, n, heads, kv, d, i in [(1, 5, 9, 3, 64, 70), (2, 3, 4, 2, 24, 40)]:
+            x, w, nw = torch.randn(b, n, i, generator=g), torch.randn((heads + 2 * kv) * d, i, generator=g), \
+                torch.randn(i, generator=g)
+            angle = torch.randn(b, n, d, generator=g)
+            rope = lean_rope(angle.cos(), angle.sin())
+            slots = torch.stack([torch.randperm(40, generator=g)[:n] for _ in range(b)])  # [B, n]
+            buffers = [torch.randn(b, kv, 40, d, generator=g) for _ in range(2)]
+            want = [t.clone() for t in buffers]
+            q_want = cuda_layer.rope_write_torch(F.rms_norm(x, (i,), nw, 1e-5) @ w.T, *rope, slots, *want, heads)
+            for c in ("fused_o1_k128_w4", "fused_o2_k256_r2", "fused_o8_k128"):
+                got = [t.clone() for t in buffers]
+                q = front_rope(x, w, c, (nw, 1e-5), rope, slots, *got, heads)
+                assert q.shape == q_want.shape and q.is_contiguous()
+                worst = max(worst, *(float((a - r).abs().max() / r.abs().max()) for a, r in zip([q, *got],
+                                                                                                [q_want, *want])))
+        print(worst)
+    """)
+    assert float(out) < 1e-5
+
+
+@needs_triton
 def test_recorded_forward_with_fused_units_is_the_pytorch_one():
     """The static forward a CUDA graph records (eager on the CPU, Triton interpreted) with every cuda_fused unit forced
-    at every row count: a verify of 5 tokens and the step after it give PyTorch's hidden states and keys to float32
-    rounding, each unit ran in every layer, and the table measured every unit at 1 and 5 rows."""
+    (front_rope at 5 rows, front and the rotary's PyTorch ops at 1): a verify of 5 tokens and the step after it give
+    PyTorch's hidden states and keys to float32 rounding, each unit ran in every layer, and the table measured every
+    unit at 1 and 5 rows."""
     out = interpreted(RECORDED_RUN, """
         from specdec.base import tiny_base
         from specdec.sampling import cuda_fused, cuda_kernels
@@ -329,6 +364,9 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
         def counted(x, w, config, norm=None, gated=False, residual=None, _f=cuda_fused.product):
             calls.append((norm is not None, gated, residual is not None))
             return _f(x, w, config, norm=norm, gated=gated, residual=residual)
+        def counted_rope(*a, _f=cuda_fused.front_rope):
+            calls.append("front_rope")
+            return _f(*a)
         base = tiny_base(hidden_size=64)
         fast = lean_layers(base.model)
         cuda_fused.CONFIGS = {"fused_o8_k128": cuda_fused.CONFIGS["fused_o8_k128"]}  # (interpreted: brief)
@@ -342,8 +380,9 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
             pass
         measured = all(set(units) == set(cuda_fused.UNITS) for c in table.fused.values() for units in c.values())
         for block in table.fused:
-            table.fused[block] = {r: {u: "fused_o8_k128" for u in cuda_fused.UNITS} for r in table.rows}
-        cuda_fused.product = counted
+            table.fused[block] = {r: {u: "fused_o8_k128" for u in cuda_fused.UNITS if r == 5 or u != "front_rope"}
+                                  for r in table.rows}
+        cuda_fused.product, cuda_fused.front_rope = counted, counted_rope
 
 
         stock = run()
@@ -352,10 +391,11 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
             ours = run()
         kinds = {c: calls.count(c) for c in set(calls)}
         print(max(float((s - o).abs().max() / s.abs().max()) for s, o in zip(stock, ours)), measured,
-              kinds == {(True, False, False): 4, (True, True, False): 4, (False, False, True): 8})
+              kinds == {"front_rope": 2, (True, False, False): 2, (True, True, False): 4, (False, False, True): 8})
     """)
     worst, measured, each = out.split()
-    assert float(worst) < 1e-5 and measured == "True" and each == "True"  # 2 layers × 2 forwards (× 2: o and down)
+    # 2 layers × 2 forwards (× 2: o and down), of which the verify's front is front_rope
+    assert float(worst) < 1e-5 and measured == "True" and each == "True"
 
 
 def test_fused_units_are_offered_only_for_the_layers_own_math():
@@ -366,11 +406,11 @@ def test_fused_units_are_offered_only_for_the_layers_own_math():
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=64)
     plain = lean_layers(LlamaForCausalLM(config).model)[0]
-    assert cuda_fused.units(plain) == ("front", "gated", "o", "down")
+    assert cuda_fused.units(plain) == ("front", "front_rope", "gated", "o", "down")
     biased = LlamaConfig(**{**config.to_dict(), "attention_bias": True, "mlp_bias": True})
     assert cuda_fused.units(lean_layers(LlamaForCausalLM(biased).model)[0]) == ()
     gelu = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "hidden_act": "gelu"})).model
-    assert cuda_fused.units(lean_layers(gelu)[0]) == ("front", "o", "down")
+    assert cuda_fused.units(lean_layers(gelu)[0]) == ("front", "front_rope", "o", "down")
 
 
 def test_fused_units_are_left_out_where_they_fail_or_differ(tiny, monkeypatch):
@@ -395,11 +435,13 @@ def test_fused_units_report_times_every_configuration(tmp_path):
         import json, runpy, sys
         from specdec.sampling import cuda_fused
         cuda_fused.CONFIGS["fused_wrong"] = (2, 64, 4, 0)
-        real = cuda_fused.product
-        cuda_fused.product = lambda x, w, c, **kw: real(x, w, "fused_o2_k64_w4", **kw) * (2 if c == "fused_wrong" else 1)
+        real, real_rope = cuda_fused.product, cuda_fused.front_rope
+        twice = lambda c: 2 if c == "fused_wrong" else 1
+        cuda_fused.product = lambda x, w, c, **kw: real(x, w, "fused_o2_k64_w4", **kw) * twice(c)
+        cuda_fused.front_rope = lambda x, w, c, *a: real_rope(x, w, "fused_o2_k64_w4", *a) * twice(c)
         sys.argv = ["fused_units.py", "--device", "cpu", "--rows", "1", "3", "--layers", "2", "--hidden", "64",
-                    "--qkv", "96", "--mlp", "80", "--configs", "fused_o1_k128_w4", "fused_wrong",
-                    "--out", {str(tmp_path)!r}]
+                    "--qkv", "96", "--heads", "4", "2", "12", "--mlp", "80", "--configs", "fused_o1_k128_w4",
+                    "fused_wrong", "--out", {str(tmp_path)!r}]
         runpy.run_path("experiments/fused_units.py", run_name="__main__")
         print(json.dumps(json.load(open({str(tmp_path / "fused_units.json")!r}))["us_per_call"]))
     """)

@@ -48,7 +48,7 @@ from torch import nn
 
 from specdec.sampling import cuda_fused, cuda_layer
 from specdec.sampling.kernels import per_count, store
-from specdec.sampling.lean import decode_linears, lean_layers
+from specdec.sampling.lean import decode_linears, lean_layers, lean_rope
 
 # row and query counts measured: the Triton products take up to 16 rows (more take F.linear), the attention and the
 # rotary + K/V write up to a recorded graph's 64 queries (more: PyTorch's); other dtypes take PyTorch's throughout
@@ -354,35 +354,45 @@ class CudaTable:
 
     def _measure_fused(self, layers: list) -> dict[int, dict[str, str]]:
         """{rows: {unit: configuration or "torch"}} for cuda_fused's units over layers of one geometry, up to its 16
-        rows: each unfused (the layer's norm, the product this table chose for the shape at that count, the ops after)
-        against every configuration that reproduces it (each way of launching once), timed as one pass over all the
-        layers."""
+        rows: each unfused (the layer's norm, the product this table chose for the shape at that count, the ops after;
+        for front_rope the front unit as chosen just before it, then the rotary + K/V write as chosen) against every
+        configuration that reproduces it (each way of launching once), timed as one pass over all the layers."""
         if not self.triton:
             return {}
         f0 = layers[0]
         dev, dtype = self.device, f0.qkv.weight.dtype
         hidden, inter, heads = f0.qkv.weight.shape[1], f0.intermediate, f0.heads * f0.head_dim
-        forms = [_unit_forms(f, self._product) for f in layers]
+        rope_at = per_count(self.rope.get(_geometry(f0), {}), max(self.rows), "torch")
+        forms = [_unit_forms(f, self._product, rope_at) for f in layers]
         offered = [u for u in cuda_fused.UNITS if all(u in fs for fs in forms)]
         choice = {}
         for n in (r for r in self.rows if r <= cuda_fused.MAX_ROWS):
             x, h = (torch.randn(n, hidden, device=dev, dtype=dtype) for _ in range(2))
-            inputs = {"front": (x,), "gated": (x,), "o": (torch.randn(n, heads, device=dev, dtype=dtype), h),
-                      "down": (torch.randn(n, inter, device=dev, dtype=dtype), h)}
+            angle = torch.randn(1, n, f0.head_dim, device=dev, dtype=dtype)
+            rope = lean_rope(angle.cos(), angle.sin())
+            slots = torch.arange(n, device=dev)[None] + ATTENTION_WIDTH // 2
+
+            def inputs(unit: str) -> tuple:  # (a unit that writes the cache gets buffers of its own each time)
+                if unit == "front_rope":
+                    return (x.view(1, n, hidden), rope, slots, *(torch.zeros(
+                        1, f0.kv_heads, ATTENTION_WIDTH, f0.head_dim, device=dev, dtype=dtype) for _ in range(2)))
+                return {"front": (x,), "gated": (x,), "o": (torch.randn(n, heads, device=dev, dtype=dtype), h),
+                        "down": (torch.randn(n, inter, device=dev, dtype=dtype), h)}[unit]
+
             choice[n] = {}
             for unit in offered:
-                args = inputs[unit]
+                args, chosen = inputs(unit), choice[n]
                 unfused, fused = forms[0][unit]
-                reference = unfused(n, *args)
+                reference = _flat(unfused(n, chosen, *inputs(unit)))
                 usable = {"torch": None}
                 for name in cuda_fused.distinct(n):
                     try:  # one that fails to build here, or computes something else, is left out
-                        if torch.allclose(fused(name, *args), reference, rtol=0,
+                        if torch.allclose(_flat(fused(name, *inputs(unit))), reference, rtol=0,
                                           atol=TOLERANCE * float(reference.abs().max())):
                             usable[name] = name
                     except Exception:  # noqa: BLE001
                         continue
-                passes = {name: (lambda c=name: [u(n, *args) if c == "torch" else f(c, *args)
+                passes = {name: (lambda c=name: [u(n, chosen, *args) if c == "torch" else f(c, *args)
                                                  for u, f in (fs[unit] for fs in forms)]) for name in usable}
                 times = _best_of(passes, self.device)
                 choice[n][unit] = min(times, key=times.get)
@@ -466,17 +476,37 @@ def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, roun
     return best
 
 
-def _unit_forms(layer, product: Callable) -> dict[str, tuple[Callable, Callable]]:
-    """unit -> (unfused(rows, *inputs), fused(config, *inputs)) of the cuda_fused units a lean layer offers, the
-    unfused form as the lean forward computes it (`product(weight, rows)`: the product chosen for that shape)."""
+def _unit_forms(layer, product: Callable, rope_at: list[str]) -> dict[str, tuple[Callable, Callable]]:
+    """unit -> (unfused(rows, chosen, *inputs), fused(config, *inputs)) of the cuda_fused units a lean layer offers,
+    the unfused form as the lean forward computes it (`product(weight, rows)`: the product chosen for that shape;
+    front_rope: the front unit as `chosen` {unit: config} says, then the rotary + K/V write as rope_at[rows] says)."""
     norm1, norm2, o_proj, down_proj, act = layer._parts
     inter, fused = layer.intermediate, cuda_fused.Fused(layer)
-    unfused = {"front": lambda n, x: product(layer.qkv.weight, n)(norm1(x)),
-               "gated": lambda n, x: (lambda gu: act(gu[:, :inter]) * gu[:, inter:])(
+
+    def front(n: int, chosen: dict, x: torch.Tensor) -> torch.Tensor:
+        config = chosen.get("front", "torch")
+        return product(layer.qkv.weight, n)(norm1(x)) if config == "torch" else fused.unit("front", config, x)
+
+    def front_rope(n: int, chosen: dict, x: torch.Tensor, rope: tuple, slots: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        qkv = front(n, chosen, x.view(-1, x.shape[-1])).view(*x.shape[:2], -1)
+        write = cuda_layer.rope_write if rope_at[n] == "triton" else cuda_layer.rope_write_torch
+        return write(qkv, *rope, slots, keys, values, layer.heads), keys, values
+
+    unfused = {"front": lambda n, chosen, x: front(n, {}, x), "front_rope": front_rope,
+               "gated": lambda n, chosen, x: (lambda gu: act(gu[:, :inter]) * gu[:, inter:])(
                    product(layer.gate_up.weight, n)(norm2(x))),
-               "o": lambda n, x, h: h + product(o_proj.weight, n)(x),
-               "down": lambda n, x, h: h + product(down_proj.weight, n)(x)}
-    return {u: (unfused[u], lambda c, *inputs, u=u: fused.unit(u, c, *inputs)) for u in fused.offered}
+               "o": lambda n, chosen, x, h: h + product(o_proj.weight, n)(x),
+               "down": lambda n, chosen, x, h: h + product(down_proj.weight, n)(x)}
+    kernels = {u: (lambda c, *inputs, u=u: fused.unit(u, c, *inputs)) for u in fused.offered}
+    kernels["front_rope"] = lambda c, x, rope, slots, keys, values: (
+        fused.rotated(c, x, rope, slots, keys, values), keys, values)
+    return {u: (unfused[u], kernels[u]) for u in fused.offered}
+
+
+def _flat(out: torch.Tensor | tuple) -> torch.Tensor:
+    """A unit's output as one tensor (front_rope's q and the buffers it wrote, end to end) to compare."""
+    return torch.cat([t.reshape(-1) for t in out]) if isinstance(out, tuple) else out
 
 
 def _block(layer) -> str:

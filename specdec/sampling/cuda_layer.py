@@ -266,17 +266,27 @@ def rope_write_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
     return q
 
 
-def fused_rope_write(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache, layer_idx: int,
-                     heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """LeanLayer's rotary and cache update in one kernel: (q [B, heads, n, d], the keys and values to attend
-    [B, kv, width, d]) where the cache is a SlotCache with this layer's buffers in place and the kernel can run here
-    (inside a graph recording); None otherwise (the PyTorch ops then)."""
+def slot_buffers(cache, layer_idx: int, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(the slots [B, n] this forward writes, the layer's keys and values buffers [B, kv, M, d]) where the cache is a
+    SlotCache with this layer's float32 buffers in place and a kernel can run on t here (inside a graph recording);
+    None otherwise (the PyTorch ops then)."""
     if not isinstance(cache, SlotCache) or cache.write_slots is None or layer_idx >= len(cache.layers):
         return None
     layer = cache.layers[layer_idx]
-    if not (layer.is_initialized and qkv.dtype == layer.keys.dtype == torch.float32 and launchable(qkv)
+    if not (layer.is_initialized and t.dtype == layer.keys.dtype == torch.float32 and launchable(t)
             and layer.keys.shape[2] >= cache.width):
         return None
-    q = rope_write(qkv, *rope, cache.write_slots, layer.keys, layer.values, heads)
+    return cache.write_slots, layer.keys, layer.values
+
+
+def fused_rope_write(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache, layer_idx: int,
+                     heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """LeanLayer's rotary and cache update in one kernel: (q [B, heads, n, d], the keys and values to attend
+    [B, kv, width, d]) where `slot_buffers` finds the cache's; None otherwise (the PyTorch ops then)."""
+    found = slot_buffers(cache, layer_idx, qkv)
+    if found is None:
+        return None
+    slots, keys, values = found
+    q = rope_write(qkv, *rope, slots, keys, values, heads)
     w = cache.width
-    return q, layer.keys[:, :, :w], layer.values[:, :, :w]
+    return q, keys[:, :, :w], values[:, :, :w]

@@ -113,20 +113,14 @@ class LeanLayer(nn.Module):
     def lean_forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                      cache) -> torch.Tensor:
         """`forward` in PyTorch ops, whatever the batch."""
-        norm1, norm2, o_proj, down_proj, act = self._parts
+        _, norm2, o_proj, down_proj, act = self._parts
         b, n, _ = hidden.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
         fused = self.fused_rows[b * n] if b * n < len(self.fused_rows) else None
-        qkv = fused.front(hidden) if fused is not None else None
-        if qkv is None:
-            qkv = self.qkv(norm1(hidden))  # [B, n, (heads + 2·kv_heads)·d]
-        write = self.rope_rows[n] if n < len(self.rope_rows) else None
-        written = write(qkv, rope, cache, self.layer_idx, heads) if write is not None else None
-        if written is not None:
-            q, k, v = written
-        else:
-            q, k, v = split_rotate(qkv, rope, heads, kv, d)
-            k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
+        # q [B, heads, n, d]; k, v [B, kv_heads, W, d] with this forward's written: one kernel (cuda_fused's
+        # front_rope) where it was measured fastest, else the product and then the rotary and the write
+        front = fused.front_rope(hidden, rope, cache, self.layer_idx) if fused is not None else None
+        q, k, v = front if front is not None else self._front(hidden, rope, cache, fused)
         attend = self.attention_rows[n] if n < len(self.attention_rows) else None
         if attend is not None:
             o = attend(q, k, v, mask, self.scaling)  # [B, heads, n, d]
@@ -142,6 +136,22 @@ class LeanLayer(nn.Module):
             a = act(gate) * up  # [B, n, intermediate]
         added = fused.add("down", a, hidden) if fused is not None else None
         return added if added is not None else hidden + down_proj(a)
+
+    def _front(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache,
+               fused) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q|k|v of the normed hidden (cuda_fused's front unit where chosen), then the rotary and the cache's K/V
+        write (cuda_layer's one kernel where chosen): q [B, heads, n, d], k, v [B, kv_heads, W, d]."""
+        n, heads, norm1 = hidden.shape[1], self.heads, self._parts[0]
+        qkv = fused.front(hidden) if fused is not None else None
+        if qkv is None:
+            qkv = self.qkv(norm1(hidden))  # [B, n, (heads + 2·kv_heads)·d]
+        write = self.rope_rows[n] if n < len(self.rope_rows) else None
+        written = write(qkv, rope, cache, self.layer_idx, heads) if write is not None else None
+        if written is not None:
+            return written
+        q, k, v = split_rotate(qkv, rope, heads, self.kv_heads, self.head_dim)
+        k, v = cache.update(k, v, self.layer_idx)  # [B, kv_heads, W, d]
+        return q, k, v
 
 
 def split_rotate(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, kv: int,
