@@ -10,9 +10,13 @@ leaves a gap of ~1 µs on the stream besides. Here they ride along with the prod
   itself: a row is 576 floats, read from L2 in one load where the rows fit NORM_TILE);
 - unit "gated": silu(x'·W_gateᵀ)·(x'·W_upᵀ), x' = RMSNorm(x): the post-attention norm before, the activation and the
   multiply after, each program reading the gate rows and the up rows of its outputs;
-- units "o" and "down": r + x·Wᵀ, the residual add after the o_proj and down_proj products.
+- units "o" and "down": r + x·Wᵀ, the residual add after the o_proj and down_proj products;
+- unit "front_rope": front with cuda_layer.rope_write as its epilogue (forty-second session, not yet measured on a
+  GPU): each program computes pairs of outputs (j, j + d/2) of a head, the rotary's partners, rotates q and k and
+  stores q, k and v where rope_write stores them (k and v at this forward's slots of the SlotCache's buffers).
 
-So a layer runs 7 kernels (the four units, the rotary + K/V write, the attention and its join) where it ran 13.
+So a layer runs 7 kernels (front, the rotary + K/V write, the attention and its join, o, gated, down) where it ran
+13, and 5 where front_rope and cuda_layer's self-joining attention win.
 The products are cuda_kernels' matrix-vector kind ("rows": every x row against each block of W's rows, float32 products
 summed in another order than cuBLAS's) without split-K (an epilogue needs the whole sum). cuda_kernels' table times each
 unit per layer geometry and row count, unfused (the norm, the product measured fastest for that shape, the ops after)
