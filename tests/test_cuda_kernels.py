@@ -354,7 +354,7 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
     """The static forward a CUDA graph records (eager on the CPU, Triton interpreted) with every cuda_fused unit forced
     (front_rope at 5 rows, front and the rotary's PyTorch ops at 1): a verify of 5 tokens and the step after it give
     PyTorch's hidden states and keys to float32 rounding, each unit ran in every layer, and the table measured every
-    unit at 1 and 5 rows."""
+    unit at 1 and 5 rows and found it computing what the unfused ops compute."""
     out = interpreted(RECORDED_RUN, """
         from specdec.base import tiny_base
         from specdec.sampling import cuda_fused, cuda_kernels
@@ -376,9 +376,12 @@ def test_recorded_forward_with_fused_units_is_the_pytorch_one():
         g = cuda_kernels._geometry(fast[0])  # the attention and rotary PyTorch's (not measured: interpreted, slow)
         table.attention[g], table.eager[g], table.rope[g] = ({r: f for r in table.rows}
                                                              for f in ("sdpa", "sdpa", "torch"))
+        timed = cuda_kernels._best_of  # (each pass run, then every form that passed the check taken as the faster)
+        cuda_kernels._best_of = lambda passes, device: {k: float(k == "torch") for k in timed(passes, device)}
         with cuda_kernels.measured(base.model, table=table):
             pass
-        measured = all(set(units) == set(cuda_fused.UNITS) for c in table.fused.values() for units in c.values())
+        measured = all(units == {u: "fused_o8_k128" for u in cuda_fused.UNITS}
+                       for c in table.fused.values() for units in c.values())
         for block in table.fused:
             table.fused[block] = {r: {u: "fused_o8_k128" for u in cuda_fused.UNITS if r == 5 or u != "front_rope"}
                                   for r in table.rows}

@@ -371,13 +371,14 @@ class CudaTable:
             angle = torch.randn(1, n, f0.head_dim, device=dev, dtype=dtype)
             rope = lean_rope(angle.cos(), angle.sin())
             slots = torch.arange(n, device=dev)[None] + ATTENTION_WIDTH // 2
+            given = {"front": (x,), "gated": (x,), "o": (torch.randn(n, heads, device=dev, dtype=dtype), h),
+                     "down": (torch.randn(n, inter, device=dev, dtype=dtype), h)}
 
-            def inputs(unit: str) -> tuple:  # (a unit that writes the cache gets buffers of its own each time)
+            def inputs(unit: str) -> tuple:  # the same each time; a unit that writes the cache gets buffers of its own
                 if unit == "front_rope":
                     return (x.view(1, n, hidden), rope, slots, *(torch.zeros(
                         1, f0.kv_heads, ATTENTION_WIDTH, f0.head_dim, device=dev, dtype=dtype) for _ in range(2)))
-                return {"front": (x,), "gated": (x,), "o": (torch.randn(n, heads, device=dev, dtype=dtype), h),
-                        "down": (torch.randn(n, inter, device=dev, dtype=dtype), h)}[unit]
+                return given[unit]
 
             choice[n] = {}
             for unit in offered:
