@@ -266,8 +266,8 @@ class Fused:
         self.norms = norms(layer)
         self.heads = layer.heads
         _, _, o_proj, down_proj, _ = layer._parts
-        self.weights = {"front": layer.qkv.weight, "front_rope": layer.qkv.weight, "gated": layer.gate_up.weight,
-                        "o": o_proj.weight, "down": down_proj.weight}
+        self.weights = {"front": layer.qkv.weight, "gated": layer.gate_up.weight, "o": o_proj.weight,
+                        "down": down_proj.weight}  # (front_rope multiplies front's)
         self.configs: dict[str, str] = {}
 
     def at(self, configs: dict[str, str]) -> Fused:
@@ -286,7 +286,7 @@ class Fused:
                 keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The front_rope kernel with `config` on x [B, n, H]: q [B, heads, n, d], k and v written at slots [B, n] of
         keys, values (wherever it is called: the table's checks and timings too)."""
-        return front_rope(x, self.weights["front_rope"], config, self.norms[0], rope, slots, keys, values, self.heads)
+        return front_rope(x, self.weights["front"], config, self.norms[0], rope, slots, keys, values, self.heads)
 
     def front_rope(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache,
                    layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
