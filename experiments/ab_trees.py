@@ -6,6 +6,7 @@ decode loop itself (not one class, as ab_drafter.py does) is measured as a ratio
     git worktree add /tmp/before HEAD~1
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_trees.py --other /tmp/before
     python experiments/ab_trees.py --other /tmp/before --device cuda --drafter <its dir> --gamma 1
+    python experiments/ab_trees.py --other /tmp/before --drafter <its dir> --paths '[[0], [1]]'   # a static tree
 
 Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's, and its × AR), each
 tree's ratio to the other's, and whether every output equals this tree's AR (greedy: both trees must emit the base's
@@ -36,7 +37,8 @@ def worker(args: argparse.Namespace) -> None:
     base = load_base(device=args.device)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts)]
-    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+                        **(dict(tree="static", paths=json.loads(args.paths)) if args.paths else {}))
     methods = {"ar": None} | ({"drafter": load_drafter(args.drafter, base)} if args.drafter else {})
     for drafter in methods.values():
         generate(base, prompts[:1], drafter, cfg)
@@ -56,7 +58,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_tree(tree: Path, args: argparse.Namespace) -> dict:
     """This script's worker with `tree`'s specdec first on the path."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", args.device, "--prompts",
-           str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--gamma", str(args.gamma)]
+           str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--gamma", str(args.gamma)] + \
+        (["--paths", args.paths] if args.paths else [])
     if args.drafter:
         cmd += ["--drafter", str(Path(args.drafter).resolve())]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--drafter", help="a trained drafter's directory (else our AR loop alone)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--gamma", type=int, default=1)
+    ap.add_argument("--paths", help="a static tree's paths as JSON, e.g. '[[0], [1]]' (instead of a chain of --gamma)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2, help="processes per tree, alternating (the order flips each pass)")

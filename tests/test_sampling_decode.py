@@ -246,6 +246,33 @@ def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, cost,
     assert {n for row in r.drafted for n in row} == {most}
 
 
+class SecondBest(Oracle):
+    """The Oracle's drafts with its top two swapped: the base's greedy token is the second-ranked child."""
+
+    def expand(self, state, ctx, tokens, parents, depth, nodes):
+        logits = super().expand(state, ctx, tokens, parents, depth, nodes)  # [B, F, V] the right token ~10 above
+        best = logits.argmax(-1, keepdim=True)
+        return logits.scatter(-1, (best + 1) % logits.shape[-1], logits.gather(-1, best) + 1)
+
+
+def test_a_tree_moves_only_paths_that_are_not_in_place(base, monkeypatch):
+    """A round that accepts the root's first child leaves its path where the verify wrote it (no move); one that
+    accepts the second child moves it (the KV of node 2 to slot 1); both decode the base's greedy tokens."""
+    from specdec.sampling.context import SamplingContext
+
+    moves = []
+    run = SamplingContext.move_path
+    monkeypatch.setattr(SamplingContext, "move_path", lambda self, *a: moves.append(1) or run(self, *a))
+    prompts = [[5, 6, 7, 8, 9]]
+    siblings = SamplerConfig(max_new_tokens=NEW, eos_token_id=[], tree="static", paths=[[0], [1]])
+    for drafter, moved in ((Oracle(base), False), (SecondBest(base), True)):
+        moves.clear()
+        r = generate(base, prompts, drafter, siblings)
+        assert r.tokens.tolist() == reference(base, prompts)
+        assert all(a == 1 for a in r.accepted[0][:-1])  # a draft token accepted every round (but maybe the last)
+        assert bool(moves) == moved and len(moves) in (0, len(r.accepted[0]), len(r.accepted[0]) - 1)
+
+
 def test_rounds_know_when_they_are_chains():
     """A chain's round says so (the sampler then moves nothing of its accepted path)."""
     from specdec.sampling.lookup import lookup_round

@@ -266,9 +266,10 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
              target: torch.Tensor | None, round_no: int):
     """What the verify decided: path [B, D + 1] (each row's accepted nodes, root first, padded by repeating its deepest
     one) and its tokens [B, D + 1], n_acc [B] (accepted draft tokens), bonus [B] (the token the base emits after them),
-    and on the host n_acc and each row's emitted block (the accepted draft tokens, then the bonus). A greedy round is
-    decided on the host (verify.greedy_paths: the same nodes, without a dozen small tensor ops, each a launch on a GPU)
-    from the base's argmax read once, and its outcome goes back to the device as one tensor."""
+    and on the host n_acc, each row's emitted block (the accepted draft tokens, then the bonus) and the paths (None
+    when sampling). A greedy round is decided on the host (verify.greedy_paths: the same nodes, without a dozen small
+    tensor ops, each a launch on a GPU) from the base's argmax read once, and its outcome goes back to the device as
+    one tensor."""
     if cfg.temperature == 0:
         tgt = target.tolist()  # [B][N] (every greedy verify gives its argmax, checked or marked)
         if min(map(min, tgt)) < 0:  # checked_argmax's mark: a query's logits were not finite
@@ -286,7 +287,7 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
         rows = [p + [tok[i] for i in p] + [k, b] for tok, p, k, b in zip(tokens, padded, n_acc_host, bonus_host)]
         packed = torch.tensor(rows, device=ctx.length.device)  # [B, 2 (D + 1) + 2]
         return (packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], packed[:, 2 * width + 1],
-                n_acc_host, block)
+                n_acc_host, block, padded)
     best, bonus = _accept(cfg, rnd, logits, uniform, ctx)  # [B], [B]
     on_path = ctx.on_device(rnd.ancestors)[best]  # [B, N]
     n_acc = on_path.sum(-1) - 1  # [B] accepted draft tokens
@@ -296,7 +297,18 @@ def _outcome(cfg: SamplerConfig, rnd: Round, logits: torch.Tensor | None, unifor
                        best[:, None])  # ancestors sorted by depth, then `best` again as padding
     path_tokens = rnd.tokens.gather(1, path)  # [B, D + 1]
     return (path, path_tokens, n_acc, bonus, n_acc.tolist(),
-            torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist())
+            torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).tolist(), None)
+
+
+def in_place(paths: list[list[int]] | None, draft_slots: torch.Tensor, n: int) -> bool:
+    """Whether every row's accepted path (its first n nodes, padded) already lies in the slots `move_path` would move it
+    to: nodes 0..n-1, which sat in slots 0..n-1 while drafting too. A tree is laid out depth by depth, so that is a
+    round that accepted no draft token or only the root's first-ranked child: most rounds of a shallow tree (of
+    [[0], [1]], all but those that accept the second child). `move_path` then has nothing to move; it costs a gather
+    and a scatter per layer's keys and values (~0.7 ms a round on a 2-core CPU; 4 launches a layer on a GPU). False
+    when the paths are not on the host (sampling)."""
+    first = list(range(n))
+    return paths is not None and all(p[:n] == first for p in paths) and draft_slots[:n].tolist() == first
 
 
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
@@ -487,8 +499,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
             else:
                 logits, target = finite(base.lm_head(hidden), f"at decode round {round_no}"), None
         clock.mark()
-        path, path_tokens, n_acc, bonus, n_acc_host, block = _outcome(cfg, rnd, logits, uniform, ctx, target,
-                                                                      round_no)
+        path, path_tokens, n_acc, bonus, n_acc_host, block, paths_host = _outcome(cfg, rnd, logits, uniform, ctx,
+                                                                                  target, round_no)
         active = [not done[row] for row in rows]
         proposed = rnd.drafted()  # [B] per row: γ_s (its own chain length with an adaptive draft length)
         for i, row in enumerate(rows):
@@ -504,8 +516,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         if drafter is not None:
             n = max(n_acc_host) + 1
             chain = rnd.is_chain()
-            if not chain:
-                ctx.move_path(path[:, :n], rnd.draft_slots.to(dev)[path[:, :n]])  # a chain needs no move
+            if not chain and not in_place(paths_host, rnd.draft_slots, n):  # a chain's path is always in place
+                ctx.move_path(path[:, :n], rnd.draft_slots.to(dev)[path[:, :n]])
             if chain and len(rows) == 1:
                 # one row's accepted chain is nodes 0 .. n-1: slices, not gathers (3 ops each, ~10 µs a round on a
                 # 2-core CPU right after a verify)
