@@ -190,11 +190,14 @@ def test_a_prophet_on_a_batch_drafts_depth_by_depth(base, native_layers):
 
 
 @needs_compiler
-@pytest.mark.parametrize("vocab, layers, own, precision, gamma", [(48, 1, False, "fp32", 4), (None, 2, False, "q4", 3),
-                                                                  (48, 1, True, "fp32", 2), (48, 1, False, "q4", 1)])
-def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, vocab, layers, own, precision, gamma):
+@pytest.mark.parametrize("vocab, layers, own, precision, gamma, fan", [
+    (48, 1, False, "fp32", 4, 1), (None, 2, False, "q4", 3, 1), (48, 1, True, "fp32", 2, 1), (48, 1, False, "q4", 1, 1),
+    (48, 1, False, "fp32", 1, 2), (48, 1, True, "q4", 2, 3)])
+def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, vocab, layers, own, precision, gamma,
+                                                           fan):
     """Hydra's chain of heads as one native call: the tokens of its depth-by-depth `expand` calls, so the same
-    acceptances and plain greedy decoding's tokens; with a shared or own vocab head, one or two blocks, fp32 or q4."""
+    acceptances and plain greedy decoding's tokens; with a shared or own vocab head, one or two blocks, fp32 or q4; and
+    for a chain that fans out at its end (the last head's top 2 or 3: paths [[0], [1]], [[0, 0], [0, 1], [0, 2]])."""
     drafter = perturbed(base, Hydra(base, num_heads=4, num_layers=layers, own_lm_head=own, draft_vocab_size=vocab))
     ran, rounds = [], []
     call = native_chain.head_chain
@@ -211,7 +214,8 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
 
     monkeypatch.setattr(native_chain, "head_chain", counted)
     monkeypatch.setattr(trees, "_greedy_chain", recorded)
-    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=gamma, draft_precision=precision)
+    shape = dict(gamma=gamma) if fan == 1 else dict(tree="static", paths=[[0] * (gamma - 1) + [k] for k in range(fan)])
+    cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], draft_precision=precision, **shape)
 
     def both_ways():
         """(native, PyTorch ops) results, each round's tokens the same"""
@@ -227,6 +231,7 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
 
     native_run, _ = both_ways()
     assert ran and all(ran) and sum(map(sum, native_run.accepted)) > 0
+    assert {t.shape[1] for t in rounds} == {gamma + fan}  # the root, the chain, the fan
     assert native_run.tokens.tolist() == plain(base)
     with torch.no_grad():  # weights changed in place between decodes (training on): the next decode's chain reads them
         for p in drafter.parameters():

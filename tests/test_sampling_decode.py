@@ -110,24 +110,27 @@ def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
     assert_family_lossless(base, prompts, drafter)
 
 
+@pytest.mark.parametrize("fan", [1, 2])
 @pytest.mark.parametrize("path", [None, *drafter_configs()], ids=lambda p: "oracle" if p is None else p.stem)
-def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, monkeypatch):
+def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, fan, monkeypatch):
     """A chain at T = 0 is drafted column by column (trees._greedy_chain) instead of through the tree's gathers and
     scatters: the same drafts, so the same accepted counts, for every family (state read from parents, layers run;
     Medusa's whole chain at once, `Drafter.greedy_chain`) and for an oracle right for two tokens a round (so that
-    drafts are accepted)."""
+    drafts are accepted); so is a chain that fans out at its end (its last depth's top 2)."""
     import dataclasses
 
     from specdec.sampling import trees
 
     drafter = Oracle(base, 2) if path is None else family_drafter(base, path)
     depth = min(3, drafter.max_depth or 3)
-    assert trees.static_tree(tuple(trees.chain_paths(depth))).chain
-    assert not trees.static_tree(((0,), (1,))).chain
-    chained = generate(base, prompts, drafter, cfg(gamma=depth))
+    paths = [[0] * (depth - 1) + [k] for k in range(fan)]
+    assert trees.static_tree(tuple(map(tuple, paths))).fan == fan
+    assert trees.static_tree(((0,), (1,), (0, 0))).fan == trees.static_tree(((1, 0),)).fan == 0
+    kw = dict(gamma=depth) if fan == 1 else dict(tree="static", paths=paths)
+    chained = generate(base, prompts, drafter, cfg(**kw))
     tree_path = trees.static_tree
-    monkeypatch.setattr(trees, "static_tree", lambda paths: dataclasses.replace(tree_path(paths), chain=False))
-    gathered = generate(base, prompts, drafter, cfg(gamma=depth))
+    monkeypatch.setattr(trees, "static_tree", lambda paths: dataclasses.replace(tree_path(paths), fan=0))
+    gathered = generate(base, prompts, drafter, cfg(**kw))
     assert chained.tokens.tolist() == gathered.tokens.tolist() == reference(base, prompts)
     assert chained.accepted == gathered.accepted and chained.drafted == gathered.drafted
     if path is None:

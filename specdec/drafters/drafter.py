@@ -169,14 +169,17 @@ class Drafter(nn.Module):
         and the drafted token always agree."""
         raise NotImplementedError
 
-    def greedy_chain(self, state: Any, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
+    def greedy_chain(self, state: Any, ctx: DraftContext, root: torch.Tensor, gamma: int,
+                     top: int = 1) -> torch.Tensor | None:
         """A greedy chain's γ drafted tokens [B, γ] (base ids) from the round's root tokens root [B], in one go, each
         the top-1 of what `expand` would give at that depth, its stores left as those `expand` calls would leave them
         and its state as the next `observe` needs it (what only a later `expand` of the round would read may be left
         out: none follows): for a drafter whose logits at depth d do not depend on the tokens drafted before it (Medusa: head
         d+1 reads h_t only), or that runs its whole chain in one native call (the prophet, Hydra:
-        specdec/sampling/native_chain.py). None (the default, or where it cannot this round): the sampler expands the
-        chain depth by depth. Where both run, the sampler times them and keeps the faster (trees._greedy_chain)."""
+        specdec/sampling/native_chain.py). With top > 1, the tree of a chain that fans out at its end
+        (trees.StaticTree.fan): [B, γ − 1 + top], the last depth's `top` best tokens, best first, in place of its
+        top-1. None (the default, or where it cannot this round): the sampler expands the tree depth by depth. Where
+        both run, the sampler times them and keeps the faster (trees._greedy_chain)."""
         return None
 
     # -- drafters with nothing to train by gradient ---------------------------------------------

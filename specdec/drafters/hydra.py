@@ -107,7 +107,8 @@ class Hydra(Drafter):
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
         return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]
 
-    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
+    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
+                     top: int = 1) -> torch.Tensor | None:
         """The chain's `expand` calls (head d on the root and the d tokens drafted before) as one native call (one row
         on the CPU, SiLU blocks), else None. Its `paths` are left empty: nothing reads them before the next `observe`
         (they cost ~5 ops a round to make, which on a 2-core CPU after a verify was ~10 % of the round)."""
@@ -121,8 +122,8 @@ class Hydra(Drafter):
                 for k, head in enumerate(self.heads[:gamma])] if silu else None
         if parts is None:
             return None
-        tokens = native_chain.head_chain(self, parts, self.base.embed_tokens.weight,
-                                         None if self.draft_vocab is None else self.draft_vocab.tokens, state["h"], root)
+        vocab = None if self.draft_vocab is None else self.draft_vocab.tokens
+        tokens = native_chain.head_chain(self, parts, self.base.embed_tokens.weight, vocab, state["h"], root, top)
         if tokens is not None:
             state["paths"] = NodeTable()
         return tokens

@@ -238,8 +238,12 @@ class Prophet(Drafter):
         state["hats"].put(hat, nodes, ctx)
         return logits
 
-    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int) -> torch.Tensor | None:
-        """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None."""
+    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
+                     top: int = 1) -> torch.Tensor | None:
+        """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None (and
+        for a chain that fans out at its end, top > 1)."""
+        if top > 1:
+            return None
         drafted = native_chain.draft(self, self._native_parts, ctx, state["root"], gamma, STORE, POSITION_OFFSET)
         if drafted is None:
             return None

@@ -142,11 +142,27 @@ typedef struct {
 /* floats of work smallm_head_chain needs for `steps` heads of hidden size H and a vocab head of V_d rows */
 long smallm_head_chain_work(int steps, int H, int V_d) { return (long)(steps + 3) * H + V_d; }
 
+/* best [k]: the indices of x [n]'s k largest, largest first (the lower index first on a tie, as argmax); k ≤ n */
+static void top_k(const float *x, int n, int k, int *best) {
+    int have = 0;
+    for (int i = 0; i < n; i++) {
+        if (have == k && !(x[i] > x[best[k - 1]])) continue;
+        int at = have < k ? have++ : k - 1; /* insert i, dropping the smallest when full */
+        while (at > 0 && x[i] > x[best[at - 1]]) {
+            best[at] = best[at - 1];
+            at--;
+        }
+        best[at] = i;
+    }
+}
+
 /* A Hydra drafter's greedy chain: head d (heads[d]) drafts token d + 1 from the base's newest feature h [H] and the
    tokens t_0 (the root) .. t_d of its path, each the argmax of the one before it (mapped to base ids through vocab
-   [V_d], or NULL). Writes tokens [steps]: t_1 .. t_steps. `embed` [V, H]: the base's token embeddings. */
-int smallm_head_chain(const head_t *heads, int steps, const float *embed, const int64_t *vocab, int H, int V_d,
-                      const float *h, int64_t root, float *work, int threads, int64_t *tokens) {
+   [V_d], or NULL). Writes tokens [steps - 1 + top]: t_1 .. t_{steps-1}, then the last head's `top` best tokens, best
+   first (a chain that fans out at its end: top 1 is the chain). `embed` [V, H]: the base's token embeddings. */
+int smallm_head_chain(const head_t *heads, int steps, int top, const float *embed, const int64_t *vocab, int H,
+                      int V_d, const float *h, int64_t root, float *work, int threads, int64_t *tokens) {
+    if (top < 1 || top > 64 || top > V_d) return 1;
     float *in = work;                      /* [(steps + 1)·H]: h | the path's normed embeddings */
     float *x = in + (size_t)(steps + 1) * H, *y = x + H; /* [H] each */
     float *logits = y + H;                 /* [V_d] */
@@ -162,8 +178,14 @@ int smallm_head_chain(const head_t *heads, int steps, const float *embed, const 
             for (int i = 0; i < H; i++) x[i] += y[i] / (1.0f + __builtin_expf(-y[i]));
         }
         linear(&k->head, x, logits, threads);
-        const int best = argmax(logits, V_d);
-        tokens[d] = vocab ? vocab[best] : best;
+        if (d + 1 < steps || top == 1) {
+            const int best = argmax(logits, V_d);
+            tokens[d] = vocab ? vocab[best] : best;
+        } else {
+            int best[64];
+            top_k(logits, V_d, top, best);
+            for (int j = 0; j < top; j++) tokens[d + j] = vocab ? vocab[best[j]] : best[j];
+        }
     }
     return 0;
 }

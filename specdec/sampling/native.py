@@ -185,9 +185,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         lib.smallm_chain_work.restype = ctypes.c_long
         lib.smallm_chain_work.argtypes = [ctypes.c_void_p]
         lib.smallm_head_chain.restype = ctypes.c_int
-        lib.smallm_head_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.smallm_head_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.smallm_head_chain_work.restype = ctypes.c_long
         lib.smallm_head_chain_work.argtypes = [ctypes.c_int] * 3
         lib.smallm_feature_entries.restype = ctypes.c_int

@@ -290,11 +290,12 @@ _HEADS: weakref.WeakKeyDictionary[nn.Module, dict[int, HeadChain]] = weakref.Wea
 
 
 def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, vocab: torch.Tensor | None,
-               h: torch.Tensor, root: torch.Tensor) -> torch.Tensor | None:
+               h: torch.Tensor, root: torch.Tensor, top: int = 1) -> torch.Tensor | None:
     """The greedy chain of len(heads) tokens that a Hydra drafter's `expand` calls would draft from its newest base
     feature h [1, H] and the root token root [1] (head d reading the root and the d tokens drafted before), as one
-    native call -> tokens [1, γ] (base ids); None where chain.c does not take it: no library, off the CPU, several
-    rows, not float32 (`HeadChain.supports`)."""
+    native call -> tokens [1, γ − 1 + top] (base ids; with top > 1 the last head's `top` best tokens, best first, in
+    place of its top-1); None where chain.c does not take it: no library, off the CPU, several rows, not float32
+    (`HeadChain.supports`)."""
     lib = native._load()
     if (lib is None or not hasattr(lib, "smallm_head_chain") or h.device.type != "cpu" or h.shape[0] != 1
             or h.dtype != torch.float32):
@@ -306,8 +307,8 @@ def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, 
         if not HeadChain.supports(heads, embed):
             return None
         chain = chains[gamma] = HeadChain(heads, embed, vocab)
-    tokens = torch.empty(1, gamma, dtype=torch.long)
-    done = lib.smallm_head_chain(chain.structs, gamma, embed.data_ptr(), None if vocab is None else vocab.data_ptr(),
+    tokens = torch.empty(1, gamma - 1 + top, dtype=torch.long)
+    done = lib.smallm_head_chain(chain.structs, gamma, top, embed.data_ptr(), None if vocab is None else vocab.data_ptr(),
                                  chain.hidden, chain.size, h.contiguous().data_ptr(), int(root),
                                  chain.work.data_ptr(), torch.get_num_threads(), tokens.data_ptr())
     return tokens if done == 0 else None

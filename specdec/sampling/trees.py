@@ -168,7 +168,10 @@ class StaticTree:
     ancestors: torch.Tensor  # [N, N] bool, ancestor-or-self
     levels: tuple[Level, ...]
     slots: torch.Tensor  # [N] arange: where node i sits during drafting
-    chain: bool  # node i's one child is i + 1, every depth drafts one node
+    # a chain (node i's one child is i + 1, every depth drafts one node) or one that fans out at its end (its last
+    # depth's nodes are the children of the one before it, ranks 0..fan-1: [[0], [1]], [[0, 0], [0, 1], [0, 2]]): how
+    # many nodes its last depth drafts (1: a chain); 0 for any other tree
+    fan: int
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,9 +194,13 @@ def static_tree(paths: tuple[Path, ...]) -> StaticTree:
             kids=torch.tensor([index[p] for p in kids]), parent_pos=torch.tensor([pos[index[p[:-1]]] for p in kids]),
             rank=torch.tensor([p[-1] for p in kids]), top=max(p[-1] for p in kids) + 1,
         ))
-    chain = all(p == (0,) * len(p) for p in nodes)
+    deepest = len(nodes[-1])
+    last = [p for p in nodes if len(p) == deepest]
+    fan = len(last) if (len(nodes) == deepest + len(last)  # one node a depth before the last
+                        and all(p[:-1] == (0,) * (deepest - 1) for p in last)
+                        and [p[-1] for p in last] == list(range(len(last)))) else 0
     return StaticTree(torch.tensor(parents), torch.tensor([len(p) for p in nodes]), ancestors, tuple(levels),
-                      torch.arange(len(nodes)), chain)
+                      torch.arange(len(nodes)), fan)
 
 
 def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor,
@@ -208,9 +215,10 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
     softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
     the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification. A chain with
-    neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops."""
+    neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops; so is a chain that
+    fans out at its end (StaticTree.fan)."""
     tree = static_tree(tuple(map(tuple, paths)))
-    if tree.chain and sample_chain is None and keep_going is None:
+    if tree.fan and sample_chain is None and keep_going is None:
         return _greedy_chain(drafter, state, ctx, root, tree)
     size = tree.depth.numel()
     tokens = root.new_zeros(root.shape[0], size)  # [B, N]
@@ -258,29 +266,31 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
     faster here (`Race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
     the CPU's to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
-    it."""
-    gamma = len(tree.levels)
-    race = _RACES.setdefault(drafter, {}).setdefault(gamma, Race()) if ctx.length.device.type == "cpu" else None
+    it. A chain that fans out at its end (tree.fan > 1) takes its last depth's top `fan` instead of its top-1, the nodes
+    in the tree's order (the chain, then the fan best first)."""
+    gamma, top = len(tree.levels), tree.fan
+    race = _RACES.setdefault(drafter, {}).setdefault((gamma, top), Race()) if ctx.length.device.type == "cpu" else None
     whole = race is None or race.first()
     start = time.perf_counter()
-    drafted = drafter.greedy_chain(state, ctx, root, gamma) if whole else None  # [B, γ] or None
+    drafted = drafter.greedy_chain(state, ctx, root, gamma, top) if whole else None  # [B, γ − 1 + top] or None
     if drafted is not None:
         tokens = torch.cat([root[:, None], drafted], 1)
     else:
-        columns = [root]  # [B] each: the root, then the token drafted at each depth
+        columns = [root[:, None]]  # [B, 1] each: the root, then the token(s) drafted at each depth
         for level in tree.levels:
             if drafter.runs_layers:
                 ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
-            logits = drafter.expand(state, ctx, columns[-1][:, None], level.parents, level.depth, level.frontier)
-            columns.append(drafter.token_ids(logits[:, 0].argmax(-1)))  # [B, 1, V_d] -> [B]
-        tokens = torch.stack(columns, 1)
+            logits = drafter.expand(state, ctx, columns[-1][:, :1], level.parents, level.depth, level.frontier)
+            best = logits[:, 0].argmax(-1, keepdim=True) if level.top == 1 else logits[:, 0].topk(level.top).indices
+            columns.append(drafter.token_ids(best))  # [B, 1, V_d] -> [B, top]
+        tokens = torch.cat(columns, 1)
     if race is not None and (drafted is not None or not whole):  # (a round where greedy_chain could not: not timed)
         race.record(drafted is not None, time.perf_counter() - start)
     return Round(tokens=tokens, parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
                  draft_slots=tree.slots)
 
 
-# drafter -> chain length -> whether its whole-chain draft is the faster way here
+# drafter -> (chain length, fan) -> whether its whole-chain draft is the faster way here
 _RACES: weakref.WeakKeyDictionary[Drafter, dict[int, Race]] = weakref.WeakKeyDictionary()
 
 
