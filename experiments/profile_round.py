@@ -1,6 +1,7 @@
 """Where a decode round's time goes: our AR loop against a trained drafter's rounds, in the sampler as it runs.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/profile_round.py logs/recipe/prophet_complete/drafter [--gamma 2]
+    ... --paths '[[0], [1]]'   # a static tree's rounds instead of a chain's
     ... --compare-kernels   # v(γ+1) with one kernel forced for every row count above 1, against the measured choice
 
 For a few HumanEval prompts (T = 0, chain γ, the measured kernels): the median verify and draft time per round, and
@@ -14,6 +15,7 @@ forwards); then torch.profiler over one prompt each, the ops with the most self 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("drafter", help="a drafter checkpoint dir (train.py's <run>/drafter)")
     ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--paths", help="a static tree's paths as JSON, e.g. '[[0], [1]]' (instead of a chain of --gamma)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--top", type=int, default=15, help="ops listed per profile")
@@ -44,10 +47,11 @@ def main() -> None:
     drafter = load_drafter(args.drafter, base)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts + 1)]
-    ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, gamma=args.gamma)
+    shape = dict(tree="static", paths=json.loads(args.paths)) if args.paths else dict(gamma=args.gamma)
+    ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, **shape)
     generate(base, prompts[:1], None, ar), generate(base, prompts[:1], drafter, spec)  # warm-up (kernel table too)
     where = torch.cuda.get_device_name(base.device) if gpu else machine_key()
-    print(f"[{where}] γ = {args.gamma}; ms per round, medians")
+    print(f"[{where}] {f'tree {args.paths}' if args.paths else f'γ = {args.gamma}'}; ms per round, medians")
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     for p in prompts[1:]:  # one prompt at a time, AR and the drafter back to back: drift hits both alike
         a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
@@ -92,7 +96,7 @@ def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
     table.choice = measured
     table._by_rows.clear()
     for kind, vs in v.items():
-        print(f"v({spec.gamma + 1}) with {kind:14s} " + (f"{statistics.median(vs):.2f}  ({len(vs)} prompt runs)" if vs
+        print(f"v(n) with {kind:14s} " + (f"{statistics.median(vs):.2f}  ({len(vs)} prompt runs)" if vs
                                                          else "—  (cannot take these rows)"))
 
 
