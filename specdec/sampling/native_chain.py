@@ -308,7 +308,8 @@ def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, 
             return None
         chain = chains[gamma] = HeadChain(heads, embed, vocab)
     tokens = torch.empty(1, gamma - 1 + top, dtype=torch.long)
-    done = lib.smallm_head_chain(chain.structs, gamma, top, embed.data_ptr(), None if vocab is None else vocab.data_ptr(),
-                                 chain.hidden, chain.size, h.contiguous().data_ptr(), int(root),
-                                 chain.work.data_ptr(), torch.get_num_threads(), tokens.data_ptr())
+    done = lib.smallm_head_chain(chain.structs, gamma, top, embed.data_ptr(),
+                                 None if vocab is None else vocab.data_ptr(), chain.hidden, chain.size,
+                                 h.contiguous().data_ptr(), int(root), chain.work.data_ptr(), torch.get_num_threads(),
+                                 tokens.data_ptr())
     return tokens if done == 0 else None

@@ -291,7 +291,7 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
 
 
 # drafter -> (chain length, fan) -> whether its whole-chain draft is the faster way here
-_RACES: weakref.WeakKeyDictionary[Drafter, dict[int, Race]] = weakref.WeakKeyDictionary()
+_RACES: weakref.WeakKeyDictionary[Drafter, dict[tuple[int, int], Race]] = weakref.WeakKeyDictionary()
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
