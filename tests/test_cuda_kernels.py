@@ -442,7 +442,7 @@ def test_fused_units_report_times_every_configuration(tmp_path):
         twice = lambda c: 2 if c == "fused_wrong" else 1
         cuda_fused.product = lambda x, w, c, **kw: real(x, w, "fused_o2_k64_w4", **kw) * twice(c)
         cuda_fused.front_rope = lambda x, w, c, *a: real_rope(x, w, "fused_o2_k64_w4", *a) * twice(c)
-        sys.argv = ["fused_units.py", "--device", "cpu", "--rows", "1", "3", "--layers", "2", "--hidden", "64",
+        sys.argv = ["fused_units.py", "--device", "cpu", "--rows", "1", "3", "--layers", "1", "--hidden", "64",
                     "--qkv", "96", "--heads", "4", "2", "12", "--mlp", "80", "--configs", "fused_o1_k128_w4",
                     "fused_wrong", "--out", {str(tmp_path)!r}]
         runpy.run_path("experiments/fused_units.py", run_name="__main__")
