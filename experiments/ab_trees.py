@@ -7,10 +7,11 @@ decode loop itself (not one class, as ab_drafter.py does) is measured as a ratio
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_trees.py --other /tmp/before
     python experiments/ab_trees.py --other /tmp/before --device cuda --drafter <its dir> --gamma 1
     python experiments/ab_trees.py --other /tmp/before --drafter <its dir> --paths '[[0], [1]]'   # a static tree
+    python experiments/ab_trees.py --other /tmp/before --drafter <its dir> --lookup 8   # + n-gram lookup rounds
 
-Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's, and its × AR), each
-tree's ratio to the other's, and whether every output equals this tree's AR (greedy: both trees must emit the base's
-own tokens). Rates are wall clock around each `generate` call, its set-up included, alike in both trees."""
+Prints each process's rates as it ends, then per tree: our AR loop's tok/s (and the drafter's and lookup's, each × AR),
+each tree's ratio to the other's, and whether every output equals this tree's AR (greedy: both trees must emit the
+base's own tokens). Rates are wall clock around each `generate` call, its set-up included, alike in both trees."""
 
 from __future__ import annotations
 
@@ -37,17 +38,19 @@ def worker(args: argparse.Namespace) -> None:
     base = load_base(device=args.device)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts)]
-    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup_tokens=args.lookup,
                         **(dict(tree="static", paths=json.loads(args.paths)) if args.paths else {}))
-    methods = {"ar": None} | ({"drafter": load_drafter(args.drafter, base)} if args.drafter else {})
-    for drafter in methods.values():
-        generate(base, prompts[:1], drafter, cfg)
+    plain = SamplerConfig(max_new_tokens=args.max_new_tokens)
+    methods = {"ar": (None, plain)} | ({"lookup": (None, cfg)} if args.lookup else {}) | \
+        ({"drafter": (load_drafter(args.drafter, base), cfg)} if args.drafter else {})
+    for drafter, c in methods.values():
+        generate(base, prompts[:1], drafter, c)
     out = {}
-    for name, drafter in methods.items():
+    for name, (drafter, c) in methods.items():
         tokens, seconds, texts = 0, 0.0, []
         for prompt in prompts:
             t = wall_clock(base.device)
-            r = generate(base, [prompt], drafter, cfg)
+            r = generate(base, [prompt], drafter, c)
             seconds += wall_clock(base.device) - t
             tokens += r.num_generated[0]
             texts.append(r.tokens[0, : r.num_generated[0]].tolist())
@@ -58,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_tree(tree: Path, args: argparse.Namespace) -> dict:
     """This script's worker with `tree`'s specdec first on the path."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", args.device, "--prompts",
-           str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--gamma", str(args.gamma)] + \
+           str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--gamma", str(args.gamma),
+           "--lookup", str(args.lookup)] + \
         (["--paths", args.paths] if args.paths else [])
     if args.drafter:
         cmd += ["--drafter", str(Path(args.drafter).resolve())]
@@ -77,6 +81,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--gamma", type=int, default=1)
     ap.add_argument("--paths", help="a static tree's paths as JSON, e.g. '[[0], [1]]' (instead of a chain of --gamma)")
+    ap.add_argument("--lookup", type=int, default=0, help="n-gram lookup rounds of up to this many tokens (the "
+                    "drafter's, and lookup alone as a method of its own); 0: none")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2, help="processes per tree, alternating (the order flips each pass)")

@@ -73,3 +73,5 @@ def test_verify_costs_measures_once_per_base_and_charges_the_next_measured_size(
     assert asked == [[*range(1, 17), 20, 24, 28, 30]]  # every size up to 16, every 4th beyond
     assert v[:3] == [0.0, 1.0, 2.0] and v[16] == 16 and v[17] == 20 and v[29] == 30 and len(v) == 31
     assert cost.verify_costs(tiny, 12) == v[:13] and len(asked) == 1  # read back, not measured again
+    rows = cost.verify_costs(tiny, 3000, every=1000)  # a batch of 1,000 rows verifying 1-3 tokens each
+    assert asked[-1] == [1, 1000, 2000, 3000] and rows[2000] == 2000 and rows[1001] == 2000

@@ -2,6 +2,8 @@
 rounds interleaved with the drafter's, so a drafter's state must survive rounds it did not draft), and Monte-Carlo
 losslessness at T = 1."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,8 +15,9 @@ from specdec.drafters.hydra import Hydra
 from specdec.drafters.layer_skip import LayerSkip
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
+from specdec.sampling import decode
 from specdec.sampling.decode import SamplerConfig, generate
-from specdec.sampling.lookup import lookup_round, ngram_proposal
+from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, ngram_match, ngram_proposal
 from test_sampling_mc import chi_square_pvalue
 
 # prompts whose greedy answers (tiny base, seed 0) fall into cycles after a few tokens: lookup rounds come once
@@ -32,6 +35,7 @@ def test_proposal_follows_the_most_recent_occurrence_of_the_longest_ngram():
     assert ngram_proposal([4, 1, 2, 5, 6, 2], 2, 2, 3) == []  # only a 1-gram recurs, below min_ngram
     assert ngram_proposal([4, 1, 2, 5, 6, 2], 2, 1, 3) == [5, 6]
     assert ngram_proposal([7], 4, 1, 3) == [] and ngram_proposal([3, 3], 4, 1, 1) == [3]
+    assert ngram_match(h, 4, 1, 3) == ([7, 8, 4, 2], 2) and ngram_match([7], 4, 1, 3) == ([], 0)
 
 
 def test_round_limits_each_row_to_its_own_proposal():
@@ -39,6 +43,41 @@ def test_round_limits_each_row_to_its_own_proposal():
     assert rnd.tokens.tolist() == [[10, 1, 2, 3], [20, 4, 4, 4]]
     assert rnd.parents.tolist() == [-1, 0, 1, 2] and rnd.depth.tolist() == [0, 1, 2, 3]
     assert rnd.drafted() == [3, 1] and rnd.present().tolist() == [[True] * 4, [True, True, False, False]]
+
+
+def test_lookup_length_learns_how_far_each_kind_of_match_goes():
+    gentle = [0.0] + [1 + 0.2 * (n - 1) for n in range(1, 7)]  # v(n): each verified token costs a fifth of a step
+    length = LookupLength(gentle, fresh_counts(5, 3))
+    hits, seen = length.hits, length.seen
+    whole = [1, 2, 3, 4, 5]
+    assert length.cut([whole], [3], [0], [2]) == [whole]  # nothing known yet: the whole proposal, as without
+    for _ in range(4):  # 3-gram proposals whose first token alone is the base's
+        length.resolve([[8, 9, 1, 7]], [False])  # output row 0: the proposal began at 2; 1 matched, then 7 did not
+        cut = length.cut([whole], [3], [0], [2])
+    assert cut == [[1]]  # P(1) = 5/5, P(k > 1) = 1/5: (1 + 1) / 1.2 beats (1 + 1 + 0.2) / 1.4 and every longer cut
+    assert length.cut([whole], [2], [0], [2]) == [whole]  # a 2-gram match's counts are its own
+    length.pending = length.pending[:1]  # the cut proposal still counts every depth, from the output in hindsight
+    before = seen[3][5]
+    length.resolve([[8, 9, 1, 2, 3, 4, 5]], [False])
+    assert seen[3][5] == before + 1 and hits[3][5] == 2 and not length.pending
+    length.cut([whole], [2], [0], [2])
+    length.resolve([[8, 9, 1, 2]], [False])  # all emitted so far matched: it waits for more
+    assert len(length.pending) == 1 and seen[2][1] == 1
+    length.resolve([[8, 9, 1, 2]], [True])  # ... unless its row ended: counted to the row's end
+    assert seen[2][1:] == [2, 2, 1, 1, 1] and hits[2][1:] == [2, 2, 1, 1, 1] and not length.pending
+
+
+def test_lookup_rounds_verify_what_the_curve_pays_for(monkeypatch):
+    """With a curve that charges the square of the tokens verified, every lookup round verifies one proposed token (its
+    next one costs more than it can bring); without lookup_by_cost, whole proposals. The answer is the base's."""
+    base = tiny_base(num_layers=3)  # a base of its own: the counts it learns are kept per base
+    monkeypatch.setattr(decode, "verify_costs", lambda b, n_max, *a, **k: [0.0] + [n * n for n in range(1, n_max + 1)])
+    cfg = SamplerConfig(max_new_tokens=NEW, eos_token_id=[], lookup_tokens=4, lookup_min_ngram=1)
+    plain = generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=NEW, eos_token_id=[])).tokens
+    for by_cost, lengths in ((True, {0, 1}), (False, {0, 1, 2, 3, 4})):
+        r = generate(base, PROMPTS, None, replace(cfg, lookup_by_cost=by_cost))
+        assert torch.equal(r.tokens, plain) and r.lookup_rounds > 0
+        assert {g for row in r.drafted for g in row} <= lengths and max(map(max, r.drafted)) == max(lengths)
 
 
 @pytest.fixture(scope="module")

@@ -84,17 +84,19 @@ _CURVES: weakref.WeakKeyDictionary[Base, dict[tuple, list[float]]] = weakref.Wea
 
 def verify_costs(base: Base, n_max: int, cpu_kernels: str = "measured", lean: bool = True,
                  native_layers: bool = True, cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                 compact_weights: bool = True, cuda_kernels: str = "measured") -> list[float]:
+                 compact_weights: bool = True, cuda_kernels: str = "measured", every: int = 1) -> list[float]:
     """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on this machine, measured once per
     process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every 4th beyond, a size
     between two measured ones charged the next measured size up (the curve rises in steps: a new pass over the
-    weights every few rows on a CPU)."""
+    weights every few rows on a CPU). With `every` = b, only at multiples of b (and 1): a batch of b rows verifies
+    b·n tokens, and a batch of thousands (a Monte Carlo test) would otherwise time every size up to b·n."""
     curves = _CURVES.setdefault(base, {})
-    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels)
+    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels, every)
     have = curves.get(key)
     if have is not None and len(have) > n_max:
         return have[: n_max + 1]
-    grid = sorted({*range(1, min(n_max, 16) + 1), *range(20, n_max + 1, 4), n_max})
+    steps = n_max // every
+    grid = sorted({1, *(every * k for k in [*range(1, min(steps, 16) + 1), *range(20, steps + 1, 4)]), n_max})
     t0 = time.perf_counter()
     costs = forward_costs(base, grid, reps=5, cpu_kernels=cpu_kernels, lean=lean, native_layers=native_layers,
                           cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist, compact_weights=compact_weights,

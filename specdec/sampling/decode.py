@@ -18,7 +18,7 @@ from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import verify_costs, wall_clock
 from specdec.sampling.kernels import measured_kernels
-from specdec.sampling.lookup import lookup_round, ngram_proposal
+from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, ngram_match, shared_counts
 from specdec.sampling.trees import Round, chain_paths, close_paths, draft_dynamic, draft_static, sample_chain_fn
 
 
@@ -92,6 +92,11 @@ class SamplerConfig:
     lookup_tokens: int = 0
     lookup_min_ngram: int = 2
     lookup_max_ngram: int = 3
+    # Per lookup round, verify the prefix of the proposals that maximises the expected tokens per verify cost, from
+    # how far earlier proposals of the same n-gram length matched and the verify-cost curve measured on this machine
+    # (lookup.LookupLength; the curve once per process): all lookup_tokens where verifying is cheap (a GPU), two or
+    # three where each verified token costs a fifth of a step (a 2-core CPU). False: every proposal whole.
+    lookup_by_cost: bool = True
 
     def __post_init__(self) -> None:
         """One-line errors for settings that would otherwise fail deep in a decode loop (or silently)."""
@@ -238,15 +243,19 @@ def _max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
 
 
 def _lookup(cfg: SamplerConfig, prompt_ids: list[list[int]], out: list[list[int]], rows: list[int],
-            done: list[bool], root: torch.Tensor) -> Round | None:
+            done: list[bool], root: torch.Tensor, length: LookupLength | None) -> Round | None:
     """An n-gram lookup round when every row still decoding has a match (history: prompt + answer so far, the
-    root last); None otherwise (the drafter, or a plain step, takes the round). Finished rows ride along."""
+    root last), its proposals cut to the length `length` chooses (None: whole); None otherwise (the drafter, or a
+    plain step, takes the round). Finished rows ride along."""
     if not cfg.lookup_tokens:
         return None
-    proposals = [ngram_proposal(prompt_ids[row] + out[row], cfg.lookup_tokens, cfg.lookup_min_ngram,
-                                cfg.lookup_max_ngram) for row in rows]
+    matches = [([], 0) if done[row] else ngram_match(prompt_ids[row] + out[row], cfg.lookup_tokens,
+                                                     cfg.lookup_min_ngram, cfg.lookup_max_ngram) for row in rows]
+    proposals = [toks for toks, _ in matches]
     if not all(p or done[row] for p, row in zip(proposals, rows)) or not any(proposals):
         return None
+    if length is not None:
+        proposals = length.cut(proposals, [n for _, n in matches], rows, [len(out[row]) for row in rows])
     return lookup_round(root, [p or [0] for p in proposals])
 
 
@@ -398,24 +407,37 @@ def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = 
     drafters = [drafter] if drafter is not None else []
     bf16 = drafters if cfg.draft_precision != "fp32" else []  # the drafter's weights may be rounded
     quant = cfg.draft_precision if cfg.draft_precision in ("q8", "q4", "q4a8") else ""  # ... to these blocks too
-    curve = None
-    if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost:  # measured before any timing starts
-        b = len(prompt_ids)  # a verify of n tokens per row multiplies b·n rows: the curve at b·n
-        rows = verify_costs(base, b * (cfg.dynamic_budget + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers,
-                            cfg.cuda_graphs, cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights,
-                            cfg.cuda_kernels)
-        curve = [rows[b * n] for n in range(cfg.dynamic_budget + 2)]
+    # verify-cost curves, measured before any timing starts: a dynamic tree's budget and the lookup's length by cost
+    curve = (_curve(base, cfg, len(prompt_ids), cfg.dynamic_budget)
+             if drafter is not None and cfg.tree == "dynamic" and cfg.dynamic_by_cost else None)
+    lookup = _curve(base, cfg, len(prompt_ids), cfg.lookup_tokens) if cfg.lookup_tokens and cfg.lookup_by_cost else None
     gpu = cfg.cuda_kernels != "stock" and base.device.type == "cuda"
     with (measured_kernels(base, *drafters, lean=cfg.lean, bf16=bf16, native_layers=cfg.native_layers,
                            compact=cfg.compact_weights, quant=quant) if fast
           else cuda_kernels.measured(base, *drafters, fused=cfg.cuda_kernels == "measured") if gpu
           else nullcontext()):
-        return _generate(base, prompt_ids, drafter, cfg, generator, curve)
+        return _generate(base, prompt_ids, drafter, cfg, generator, curve, lookup)
+
+
+# The most tokens a verify-cost curve is timed at (`_curve`): b rows verifying n tokens each are timed as one row of b·n
+# tokens, whose attention grows with its square (a Monte Carlo test's 100,000 rows would ask for 40 GB)
+CURVE_TOKENS = 512
+
+
+def _curve(base: Base, cfg: SamplerConfig, b: int, most: int) -> list[float] | None:
+    """v(n) for n = 0 .. most + 1 tokens a row: a verify of n tokens per row multiplies b·n rows, so the curve at b·n;
+    None past CURVE_TOKENS (the setting that asked for it then does without: a dynamic tree's fixed budget, the
+    lookup's whole proposals)."""
+    if b * (most + 1) > CURVE_TOKENS:
+        return None
+    rows = verify_costs(base, b * (most + 1), cfg.cpu_kernels, cfg.lean, cfg.native_layers, cfg.cuda_graphs,
+                        cfg.temperature == 0 and cfg.greedy_shortlist, cfg.compact_weights, cfg.cuda_kernels, every=b)
+    return [rows[b * n] for n in range(most + 2)]
 
 
 def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, cfg: SamplerConfig,
               generator: torch.Generator | list[torch.Generator] | None,
-              verify_cost: list[float] | None = None) -> GenerationResult:
+              verify_cost: list[float] | None = None, lookup_cost: list[float] | None = None) -> GenerationResult:
     dev, b = base.device, len(prompt_ids)
     eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -464,6 +486,13 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
         emit(row, [t])
     rows = list(range(b))  # batch position -> prompt row (plain decoding drops finished rows from the batch)
     length = DraftLength(cfg) if drafter is not None and cfg.adaptive else None
+    lookup_length = None
+    if lookup_cost is not None:
+        # the lookup's counts: the process's at T = 0 (a greedy output never depends on them), this decode's own when
+        # sampling (a seeded decode's samples then depend on its inputs alone, not on what the process decoded before)
+        counts = (shared_counts(base, cfg.lookup_tokens, cfg.lookup_max_ngram) if cfg.temperature == 0
+                  else fresh_counts(cfg.lookup_tokens, cfg.lookup_max_ngram))
+        lookup_length = LookupLength(lookup_cost, counts)
     t_first = wall_clock(dev)
     result = GenerationResult(None, [], accepted, drafted, cfg.lossless, t_first - t_start, 0.0)
     clock, round_no = PhaseClock(dev), 0
@@ -471,7 +500,7 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
     # -- rounds ---------------------------------------------------------------------------------
     while not all(done):
         clock.mark()
-        rnd = _lookup(cfg, prompt_ids, out, rows, done, root)
+        rnd = _lookup(cfg, prompt_ids, out, rows, done, root, lookup_length)
         looked_up = rnd is not None
         if looked_up:
             result.lookup_rounds += 1
@@ -508,6 +537,8 @@ def _generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, 
                 accepted[row].append(n_acc_host[i])
                 drafted[row].append(proposed[i])
                 emit(row, block[i][: n_acc_host[i]] + [block[i][-1]])
+        if lookup_length is not None:  # the lookup's proposals whose outcome the output now shows
+            lookup_length.resolve(out, done)
         if length is not None and not looked_up:  # the drafter's own acceptance rate steers its draft length
             length.update(sum(a for a, act in zip(n_acc_host, active) if act),
                           sum(g for g, act in zip(proposed, active) if act))

@@ -4,18 +4,25 @@ the most recent earlier occurrence of the context's last n tokens, in the prompt
 It costs no forward at all, and code answers copy a lot (signatures, names, repeated lines), so on its own it is a
 drafter, and beside a trained one it takes the rounds it can predict (a match of at least `min_ngram` tokens) and
 leaves the others to the drafter. The proposed tokens are deterministic picks (q is a point mass), so the sampler's
-verification keeps it lossless at any temperature."""
+verification keeps it lossless at any temperature.
+
+How many of a match's tokens a round verifies is a trade the machine decides (`LookupLength`): each verified token
+costs a share of a decode step that differs by machine, a few per cent on a GPU and a fifth of a step on a 2-core CPU
+whose verify multiplies exact compact weights."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch import nn
 
-from specdec.sampling.trees import Round
+from specdec.sampling.trees import Round, cost_budget
 
 
-def ngram_proposal(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+def ngram_match(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> tuple[list[int], int]:
     """Up to max_tokens tokens that followed the most recent earlier occurrence of history's last n tokens, for the
-    longest n in [min_ngram, max_ngram] that occurs; [] when none does."""
+    longest n in [min_ngram, max_ngram] that occurs, and that n; ([], 0) when none does."""
     size = len(history)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
         suffix = history[size - n :]
@@ -23,8 +30,74 @@ def ngram_proposal(history: list[int], max_tokens: int, min_ngram: int, max_ngra
         # scan from the most recent start backwards; a start must leave at least one token after the n-gram
         for i in range(size - n - 1, -1, -1):
             if history[i] == first and history[i : i + n] == suffix:
-                return history[i + n : i + n + max_tokens]
-    return []
+                return history[i + n : i + n + max_tokens], n
+    return [], 0
+
+
+def ngram_proposal(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """ngram_match's tokens alone."""
+    return ngram_match(history, max_tokens, min_ngram, max_ngram)[0]
+
+
+class LookupLength:
+    """Cuts each lookup round's proposals to the length L that maximises the expected tokens per verify cost,
+    (1 + Σ_{k≤L} P_n(k)) / v(L + 1) (`trees.cost_budget`): v from the verify-cost curve measured on this machine, P_n(k)
+    the share of earlier proposals from an n-gram match whose first k tokens the base went on to emit. Those are
+    counted in hindsight against the output, so a proposal cut short still tells about the depths it did not verify.
+    A proposal from a 3-gram match is a copy far more often than one from a 2-gram match (a one-off count over
+    SmolLM2's answers to 30 HumanEval prompts: 4.7 of 8 tokens matched against 1.3), hence the counts per n. At T = 0
+    they are kept per base for the process (`shared_counts`, as the curve is): a decode of 128 tokens sees a dozen
+    proposals, too few to learn from alone.
+    Each P_n(k) starts from one pseudo-proposal that matched in full: until proposals of its kind have missed, a
+    round verifies the whole proposal, as it does without this. Only the proposals and the emitted tokens decide,
+    never the base's distribution at the proposed positions, so verification stays lossless."""
+
+    def __init__(self, curve: list[float], counts: list[list[list[int]]]):
+        self.curve = curve  # v(n) for n = 0 .. most + 1: a verify of n tokens a row, in decode steps
+        self.hits, self.seen = counts  # [n][k]: proposals whose first k tokens matched | of ≥ k tokens resolved
+        self.pending: list[tuple[int, int, list[int], int]] = []  # (row, where in its output, tokens, n)
+
+    def cut(self, proposals: list[list[int]], ngrams: list[int], rows: list[int], starts: list[int]) -> list[list[int]]:
+        """proposals (one per batch row, [] for a row that rides along) from matches of length ngrams, for the output
+        rows `rows` whose outputs hold starts tokens -> the same cut to the round's length."""
+        p = torch.zeros(len(self.curve) - 2)  # [most] the rows' mean P(first k accepted), k = 1 .. most
+        for toks, n in zip(proposals, ngrams):
+            for k in range(1, len(toks) + 1):
+                p[k - 1] += self.hits[n][k] / self.seen[n][k]
+        p /= max(1, sum(map(bool, proposals)))
+        length = cost_budget(p, self.curve, max(map(len, proposals)))
+        self.pending += [(row, at, toks, n) for toks, n, row, at in zip(proposals, ngrams, rows, starts) if toks]
+        return [toks[:length] for toks in proposals]
+
+    def resolve(self, out: list[list[int]], done: list[bool]) -> None:
+        """Counts each pending proposal once the output shows how far it matched (or its row ended)."""
+        waiting = []
+        for row, at, toks, n in self.pending:
+            emitted = out[row][at : at + len(toks)]
+            matched = next((k for k, (a, b) in enumerate(zip(toks, emitted)) if a != b), len(emitted))
+            if matched == len(emitted) and len(emitted) < len(toks) and not done[row]:
+                waiting.append((row, at, toks, n))  # all emitted so far matched: more to come
+                continue
+            known = len(toks) if matched < len(emitted) or matched == len(toks) else matched  # an ended row: to its end
+            for k in range(1, known + 1):
+                self.seen[n][k] += 1
+                self.hits[n][k] += k <= matched
+        self.pending = waiting
+
+
+# base -> (lookup_tokens, max_ngram) -> [hits, seen], each [n][k]: the counts LookupLength learns from, for the process
+_COUNTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], list]] = weakref.WeakKeyDictionary()
+
+
+def fresh_counts(most: int, max_ngram: int) -> list[list[list[int]]]:
+    """[hits, seen] for proposals of up to `most` tokens from matches of up to max_ngram tokens, each [n][k] at the one
+    pseudo-proposal that matched in full."""
+    return [[[1] * (most + 1) for _ in range(max_ngram + 1)] for _ in range(2)]
+
+
+def shared_counts(base: nn.Module, most: int, max_ngram: int) -> list[list[list[int]]]:
+    """The base's counts (`fresh_counts` at first) for the process."""
+    return _COUNTS.setdefault(base, {}).setdefault((most, max_ngram), fresh_counts(most, max_ngram))
 
 
 def lookup_round(root: torch.Tensor, proposals: list[list[int]]) -> Round:
