@@ -45,7 +45,7 @@ class LookupLength:
     the share of earlier proposals from an n-gram match whose first k tokens the base went on to emit. Those are
     counted in hindsight against the output, so a proposal cut short still tells about the depths it did not verify.
     A proposal from a 3-gram match is a copy far more often than one from a 2-gram match (a one-off count over
-    SmolLM2's answers to 30 HumanEval prompts: 4.7 of 8 tokens matched against 1.3), hence the counts per n. At T = 0
+    SmolLM2's answers to 30 HumanEval prompts: 4.7 of 8 tokens matched against 1.5), hence the counts per n. At T = 0
     they are kept per base for the process (`shared_counts`, as the curve is): a decode of 128 tokens sees a dozen
     proposals, too few to learn from alone.
     Each P_n(k) starts from one pseudo-proposal that matched in full: until proposals of its kind have missed, a
