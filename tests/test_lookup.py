@@ -148,10 +148,17 @@ def exact_joint(base) -> torch.Tensor:
     return joint.exp().view(v, v, v)
 
 
-@pytest.mark.parametrize("with_drafter", [False, True])
-def test_monte_carlo_lossless(with_drafter):
+@pytest.mark.parametrize("with_drafter, cut", [(False, False), (True, True)])
+def test_monte_carlo_lossless(with_drafter, cut, monkeypatch):
+    """Lookup rounds at T = 1 beside plain steps, whole (10^5 rows: past the tokens a curve is timed at), and beside the
+    drafter's rounds, each cut to one proposed token by a curve that charges the square of the tokens verified
+    (LookupLength at T > 0, on this decode's own counts)."""
+    curves = []
+    if cut:
+        monkeypatch.setattr(decode, "_curve", lambda base, cfg, b, most: curves.append(most) or
+                            [0.0] + [float(n * n) for n in range(1, most + 2)])
     micro = micro_base()
     cfg = SamplerConfig(max_new_tokens=TOKENS, temperature=1.0, eos_token_id=[], lookup_tokens=2, lookup_min_ngram=1)
     r = generate(micro, [MC_PROMPT] * N, Table(micro) if with_drafter else None, cfg, torch.Generator().manual_seed(0))
-    assert r.lookup_rounds >= 1
+    assert r.lookup_rounds >= 1 and curves == ([2] if cut else [])
     assert chi_square_pvalue(r.tokens, exact_joint(micro)) > 1e-3

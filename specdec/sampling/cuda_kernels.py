@@ -441,12 +441,14 @@ class CudaTable:
 def _best_of(passes: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, float]:
     """Seconds of one call of each pass, best of `rounds` interleaved rounds (drift hits every candidate alike). On a
     GPU each pass is recorded as a CUDA graph (after a warm-up that builds its kernels) and replayed REPLAYS times
-    between two events: what a decode's recorded forward pays, with no launch cost; elsewhere (tests) it is timed as
-    it runs."""
+    between two events: what a decode's recorded forward pays, with no launch cost; elsewhere (tests, Triton
+    interpreted: nothing to build, no time worth comparing) each pass runs once, timed as it runs."""
+    if device.type != "cuda":
+        rounds = 1
     runs = {}
     for name, run in passes.items():
-        run()  # builds (Triton compiles on first use), outside any recording
         if device.type == "cuda":
+            run()  # builds (Triton compiles on first use), outside any recording
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):

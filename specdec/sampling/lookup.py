@@ -48,8 +48,9 @@ class LookupLength:
     SmolLM2's answers to 30 HumanEval prompts: 4.7 of 8 tokens matched against 1.5), hence the counts per n. At T = 0
     they are kept per base for the process (`shared_counts`, as the curve is): a decode of 128 tokens sees a dozen
     proposals, too few to learn from alone.
-    Each P_n(k) starts from one pseudo-proposal that matched in full: until proposals of its kind have missed, a
-    round verifies the whole proposal, as it does without this. Only the proposals and the emitted tokens decide,
+    Each P_n(k) starts from one pseudo-proposal that matched in full: until proposals of its kind have missed, P = 1
+    and a round verifies what the curve alone pays for, the whole proposal wherever n tokens verify for less than n
+    decode steps (as without this). Only the proposals and the emitted tokens decide,
     never the base's distribution at the proposed positions, so verification stays lossless."""
 
     def __init__(self, curve: list[float], counts: list[list[list[int]]]):
