@@ -241,7 +241,8 @@ def test_dynamic_tree_sized_by_the_verify_cost(base, prompts, monkeypatch, cost,
     import specdec.sampling.decode as decode
 
     # v by the rows a verify multiplies: the batch's 3 rows verify 3 tokens each within the step's 9 rows
-    monkeypatch.setattr(decode, "verify_costs", lambda base, n_max, *a, **k: [0.0] + [cost(r) for r in range(1, n_max + 1)])
+    monkeypatch.setattr(decode, "verify_costs",
+                        lambda base, n_max, *a, **k: [0.0] + [cost(r) for r in range(1, n_max + 1)])
     kw = dict(tree="dynamic", dynamic_depth=3, dynamic_topk=2, dynamic_budget=6, dynamic_by_cost=True)
     r = generate(base, prompts, Oracle(base), cfg(**kw))
     assert r.tokens.tolist() == reference(base, prompts)  # lossless whatever the size
