@@ -94,8 +94,8 @@ class SamplerConfig:
     lookup_max_ngram: int = 3
     # Per lookup round, verify the prefix of the proposals that maximises the expected tokens per verify cost, from
     # how far earlier proposals of the same n-gram length matched and the verify-cost curve measured on this machine
-    # (lookup.LookupLength; the curve once per process): all lookup_tokens where verifying is cheap (a GPU), two or
-    # three where each verified token costs a fifth of a step (a 2-core CPU). False: every proposal whole.
+    # (lookup.LookupLength; the curve once per process): all lookup_tokens where verifying is nearly free, fewer where
+    # each verified token costs about a fifth of a step (a 2-core CPU). False: every proposal whole.
     lookup_by_cost: bool = True
 
     def __post_init__(self) -> None:
