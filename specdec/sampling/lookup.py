@@ -34,11 +34,6 @@ def ngram_match(history: list[int], max_tokens: int, min_ngram: int, max_ngram: 
     return [], 0
 
 
-def ngram_proposal(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """ngram_match's tokens alone."""
-    return ngram_match(history, max_tokens, min_ngram, max_ngram)[0]
-
-
 class LookupLength:
     """Cuts each lookup round's proposals to the length L that maximises the expected tokens per verify cost,
     (1 + Σ_{k≤L} P_n(k)) / v(L + 1) (`trees.cost_budget`): v from the verify-cost curve measured on this machine, P_n(k)
