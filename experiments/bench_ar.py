@@ -269,6 +269,9 @@ def main() -> None:
         "gemm_ms": {n: round(t * 1e3, 2) for n, t in gemm.items()},
         "gemm_roofline_ms": {n: round(t * 1e3, 2) for n, t in roof.items()},
         "gemm_roofline_ratio": {n: round(roof[n] / roof[1], 3) for n in ns},
+        # the lowest v(n) our loop's own T_1 allows here: the products alone at the roof, nothing else taking time (a
+        # faster T_1 only raises it). On a 2-core Zen 5 EPYC, 4.41 ms of FMAs at n = 9 against T_1 = 2.66 ms: 1.66.
+        "verify_cost_floor": {n: round(roof[n] / costs[1], 3) for n in ns},
         "rest_ms": {n: round((costs[n] - gemm[n]) * 1e3, 2) for n in ns},
         "kernel_setup_s": round(kernel_setup_s, 1), "kernel_measure_s": round(default_table().measure_s, 1),
         "kernel_check_s": round(default_table().check_s, 2), "kernel_remeasured": default_table().remeasured,
@@ -387,6 +390,8 @@ def render(r: dict) -> str:
              "| GEMM roofline ms | " + " | ".join(f"{v:.1f}" for v in r["gemm_roofline_ms"].values()) + " |",
              *(["| GEMM roofline / its n = 1 | " + " | ".join(f"{v:.2f}" for v in r["gemm_roofline_ratio"].values())
                 + " |"] if "gemm_roofline_ratio" in r else []),
+             *(["| v(n) floor: GEMM roofline / T_1 | " + " | ".join(f"{v:.2f}" for v in r["verify_cost_floor"].values())
+                + " |"] if "verify_cost_floor" in r else []),
              "| rest ms | " + " | ".join(f"{v:.1f}" for v in r["rest_ms"].values()) + " |", "",
              f"GEMM ms: the forward's products alone (q|k|v, o, gate|up, down per layer, lm_head; measured kernels), "
              f"n rows each, called one by one from Python. GEMM roofline: max(the weights as held streamed once at the "
@@ -396,12 +401,14 @@ def render(r: dict) -> str:
                 if r.get("fma_peak_gflop_s") else  # (a GPU: its large product's rate)
                 f"read bandwidth, 2·n·params flops at {r['gemm_gflop_s']:.0f} GFLOP/s, a 2048² fp32 product on all "
                 "threads). ")
+             + ("v(n) floor: the roofline over our loop's own T_1, the lowest v(n) it can have on this machine (the "
+                "products alone at the roof, nothing else; a faster T_1 raises it). " if "verify_cost_floor" in r else "")
              + "rest = T_n − GEMM (below 0 where the native layers, calling the same products from C, take less than "
              "those calls from Python)."
              + (f" The compact kernels sum per group of 32 columns first for up to {r['reassociated_rows']} rows "
                 "(12: every row count; smallm_calibrate's choice on this CPU)." if r.get("reassociated_rows") else "")
              + (" They ask for each group's codes " + ", ".join(
-                 f"{ahead} bytes ahead at {lo}{'' if lo == hi else f'-{hi}'} row{'' if lo == hi else 's'}"
+                 f"{ahead} bytes ahead at {lo}{'' if lo == hi else f'-{hi}'} row{'' if hi == 1 else 's'}"
                  for lo, hi, ahead in spans(r["prefetch_bytes"])) + " (native_layer.tune_prefetch's choice on this "
                 "machine)." if r.get("prefetch_bytes") else ""),
              "",
@@ -462,6 +469,8 @@ def plot(r: dict, path: Path) -> None:
     for (name, label), style in zip(short.items(), ("*-", "x--", "d-.", "s--", "v-.", "^:")):
         if f"verify_cost_{name}" in r:
             ax.plot(ns, list(r[f"verify_cost_{name}"].values()), style, label=f"{label} (T_1 {r[f't1_{name}_ms']:.2f} ms)")
+    if "verify_cost_floor" in r:  # where no kernel takes v(n) below, against this T_1
+        ax.plot(ns, list(r["verify_cost_floor"].values()), "k:", label="floor: products at the roof / T_1")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xlabel="query tokens n", ylabel="v(n) = T_n / T_1", title=f"Verify cost, {r['cpu'].split(' | ')[0] if on_cpu(r) else r['device']}")
     ax.legend()
