@@ -145,7 +145,7 @@ def render(r: dict, args) -> str:
         lines.append("| the multiply-adds at the FMA peak | " + " | ".join(
             f"{n * r['product_flops_per_row'] / r['fma_peak_gflop_s'] / 1e6:.1f}" for n in rows) + " |")
         lines += ["", "Each weight hot: the compact pass with each product run twice and the second timed (its weight "
-                  "then in the caches), so nothing is streamed: the exact decode and the multiply-adds alone. The FMA "
+                  "then in the caches as far as they hold it), so little is streamed: the exact decode and the multiply-adds. The FMA "
                   f"peak: this CPU's float32 FMA throughput on {args.threads} threads (smallm_fma_peak, "
                   f"{r['fma_peak_gflop_s']:.0f} GFLOP/s), 2 flops per weight per row. Where the hot pass adds about "
                   "the peak's time per row, a verified token costs its multiply-adds and no kernel can make it cheaper "
