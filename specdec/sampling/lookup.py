@@ -56,12 +56,12 @@ class LookupLength:
     def cut(self, proposals: list[list[int]], ngrams: list[int], rows: list[int], starts: list[int]) -> list[list[int]]:
         """proposals (one per batch row, [] for a row that rides along) from matches of length ngrams, for the output
         rows `rows` whose outputs hold starts tokens -> the same cut to the round's length."""
-        p = torch.zeros(len(self.curve) - 2)  # [most] the rows' mean P(first k accepted), k = 1 .. most
-        for toks, n in zip(proposals, ngrams):
+        p = [0.0] * (len(self.curve) - 2)  # [most] the rows' summed P(first k accepted), k = 1 .. most (host floats:
+        for toks, n in zip(proposals, ngrams):  # a tensor op per depth would cost more than the sums)
             for k in range(1, len(toks) + 1):
                 p[k - 1] += self.hits[n][k] / self.seen[n][k]
-        p /= max(1, sum(map(bool, proposals)))
-        length = cost_budget(p, self.curve, max(map(len, proposals)))
+        mean = torch.tensor(p, dtype=torch.float64) / max(1, sum(map(bool, proposals)))
+        length = cost_budget(mean, self.curve, max(map(len, proposals)))
         self.pending += [(row, at, toks, n) for toks, n, row, at in zip(proposals, ngrams, rows, starts) if toks]
         return [toks[:length] for toks in proposals]
 
