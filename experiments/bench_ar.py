@@ -1,4 +1,4 @@
-"""The cost model of this machine, in one run (SPEC.md §8): plain AR decoding in our loop (measured kernels and
+"""The cost model of this machine, in one run (docs/sampler.md §8): plain AR decoding in our loop (measured kernels and
 native layers, the lean layers in PyTorch ops, PyTorch's stock kernels, and each decoder layer's own HF forward
 instead of the lean one) vs HF `generate`; the
 verify-cost curve v(n) = T_n / T_1 for n = 1..32; where a forward's time goes at each n (the products alone against
@@ -10,7 +10,7 @@ their roofline, and the rest); and the memory-bandwidth and compute roofs of thi
 
 SmolLM2-135M (fp32, sdpa), HumanEval prompts rendered with the base's chat template, T = 0, batch 1. Each
 prompt is decoded by every method (order rotating), after one warm-up of each that is not timed; the
-speedup is mean tok/s ours / mean tok/s HF (SPEC.md §4) and the pooled ratio Σtok/Σt. Writes
+speedup is mean tok/s ours / mean tok/s HF (docs/sampler.md §4) and the pooled ratio Σtok/Σt. Writes
 experiments/results/bench/bench.{json,md,png}."""
 
 from __future__ import annotations
@@ -28,21 +28,32 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.sampling import compact, cuda_fused, cuda_kernels, native, native_layer  # noqa: E402
+from specdec.engines import EngineConfig, build  # noqa: E402
+from specdec.engines.cpu import (  # noqa: E402
+    compact,  # noqa: E402
+    native,
+    native_layer,
+)
+from specdec.engines.cpu.kernels import default_table, measured_kernels  # noqa: E402
+from specdec.engines.cuda import fused as cuda_fused  # noqa: E402
+from specdec.engines.cuda import kernels as cuda_kernels  # noqa: E402
+from specdec.engines.cuda.graphs import pools as graph_pools  # noqa: E402
+from specdec.engines.eager.engine import EagerEngine  # noqa: E402
+from specdec.engines.eager.lean import decode_linears, lean_layers  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
-from specdec.sampling.cost import forward_costs, verify_curve, wall_clock as sync  # noqa: E402
+from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
+from specdec.sampling.cost import wall_clock as sync
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling.graphs import pools as graph_pools  # noqa: E402
-from specdec.sampling.kernels import default_table, machine_key, measured_kernels  # noqa: E402
-from specdec.sampling.lean import decode_linears, lean_layers  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
 def run_ours(base, prompt: list[int], max_new: int, **settings) -> tuple[int, float, float]:
-    """(tokens, total s, decode s) with these SamplerConfig settings: decode = after the prefill and its first token,
-    the part the bandwidth bound is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
-    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[], **settings))
+    """(tokens, total s, decode s) on the engine EngineConfig(**settings) names: decode = after the prefill and its
+    first token, the part the bandwidth bound is about (llama.cpp's bench reports the two apart too, as pp and tg)."""
+    r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[]),
+                 engine=build(EngineConfig(**settings), base.device))
     return r.num_generated[0], r.total_s, r.decode_s
 
 
@@ -125,7 +136,7 @@ def step_split(base, prompt: list[int], steps: int = 10) -> dict[str, float]:
     from torch.profiler import profile
 
     with measured_kernels(base, native_layers=False):
-        ctx = SamplingContext(base, 1, len(prompt) + steps + 8)
+        ctx = SamplingContext(base, 1, len(prompt) + steps + 8, EagerEngine())
         ctx.commit_layout(len(prompt))
         ctx.base_forward(torch.tensor([prompt]))
         ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])
@@ -172,7 +183,8 @@ def main() -> None:
 
     # Same greedy tokens from every path (a correctness check that costs nothing here).
     def tokens(**kw) -> list[int]:
-        return generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[], **kw)).tokens[0]
+        return generate(base, [prompts[0]], None, SamplerConfig(max_new_tokens=16, eos_token_id=[]),
+                        engine=build(EngineConfig(**kw), dev)).tokens[0]
 
     t0 = time.perf_counter()
     ours_toks = tokens()
@@ -211,8 +223,9 @@ def main() -> None:
     ours_decode, hf_decode = decode_rate(rows["ours"]), decode_rate(rows["hf"])
 
     ns = list(range(1, args.max_n + 1))
-    costs = forward_costs(base, ns, prompt_len=len(prompts[0]), greedy_shortlist=True)  # T = 0, as ours decodes
-    variant_costs = {name: forward_costs(base, ns, prompt_len=len(prompts[0]), **kw)
+    costs = forward_costs(base, ns, prompt_len=len(prompts[0]), engine=build(EngineConfig(), dev),
+                          greedy=True)  # T = 0, as ours decodes
+    variant_costs = {name: forward_costs(base, ns, prompt_len=len(prompts[0]), engine=build(EngineConfig(**kw), dev))
                      for name, kw in variants.items()}
     curve = verify_curve(costs)
     recorded = graph_pools(base)  # CUDA graphs recorded in this run (by every decode and curve above)
@@ -432,7 +445,7 @@ def render(r: dict) -> str:
              f"Kernel choice: measured in {r['kernel_measure_s']:.1f} s in this run (0 when cached for this machine and "
              f"its re-check held; re-check {r['kernel_check_s']:.2f} s, shapes measured again: "
              f"{', '.join(r['kernel_remeasured']) or 'none'}); first generate incl. that: {r['kernel_setup_s']:.1f} s. "
-             f"Native small-M kernel (specdec/sampling/smallm.c): "
+             f"Native small-M kernel (specdec/engines/cpu/smallm.c): "
              + (f"built, compiled in {r['native_build_s']:.2f} s in this run (0 when cached)."
                 if r.get("native_built") else "not built on this machine (no compiler): a candidate fewer."), "",
              *native_layer_lines(r)]
@@ -442,8 +455,8 @@ def render(r: dict) -> str:
 def native_layer_lines(r: dict) -> list[str]:
     layers = r.get("native_layer_ms")
     if not layers:
-        return ["Native layers (specdec/sampling/layer.c): none built here." if "native_layer_ms" in r else ""]
-    return ["Native layers (specdec/sampling/layer.c, one call per decoder layer): the base's layer stack, one pass "
+        return ["Native layers (specdec/engines/cpu/layer.c): none built here." if "native_layer_ms" in r else ""]
+    return ["Native layers (specdec/engines/cpu/layer.c, one call per decoder layer): the base's layer stack, one pass "
             "each way over n new tokens after 128 cached ones (ms; `native_layer.measure`, what the sampler chooses "
             "by, per n):", "",
             "| n | " + " | ".join(str(n) for n in layers) + " |", "|---" * (len(layers) + 1) + "|",

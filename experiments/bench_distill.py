@@ -32,8 +32,9 @@ from specdec.base import load_base  # noqa: E402
 from specdec.data.distill import _eos, _hf, _ours, _prompt_rows  # noqa: E402
 from specdec.data.prompts import render_chat  # noqa: E402
 from specdec.data.stdlib_tasks import stdlib_tasks  # noqa: E402
+from specdec.engines import EngineConfig, build  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling.kernels import machine_key  # noqa: E402
 
 
 def main() -> None:
@@ -47,13 +48,14 @@ def main() -> None:
     rows = _prompt_rows(stdlib_tasks(args.prompts), args.prompts)
     prompts = sorted((render_chat(base.tokenizer, m) for _, m in rows), key=len)
     ids = [i for i, _ in rows]
-    engines = [("ours", "measured", _ours), ("ours, fixed batches", "measured", fixed_batches),
-               ("ours, cpu_kernels=stock", "stock", _ours),
-               ("hf generate", "stock", lambda *a: _hf(*a, shard_size=len(prompts)))]
+    engines = [("ours", "cpu", _ours), ("ours, fixed batches", "cpu", fixed_batches),
+               ("ours, engine=eager", "eager", _ours),
+               ("hf generate", "eager", lambda *a: _hf(*a, shard_size=len(prompts)))]
     results, answers = {}, {}
-    for name, kernels, engine in engines:
-        cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, cpu_kernels=kernels)
-        run = engine(base, cfg, _eos(base, cfg), 0, args.batch)
+    for name, kind, engine in engines:
+        cfg = SamplerConfig(max_new_tokens=args.max_new_tokens)
+        run = (engine(base, cfg, _eos(base, cfg), 0, args.batch, EngineConfig(name=kind)) if engine is not _hf
+               else engine(base, cfg, _eos(base, cfg), 0, args.batch))
         list(run(prompts[:2], ids[:2])) if name == "ours" else None  # kernel measurement + warm-up, not timed
         t0 = time.perf_counter()
         answers[name] = dict(run(prompts, ids))
@@ -77,14 +79,14 @@ def main() -> None:
     print(json.dumps(report["speedup_vs_hf"]), "->", args.out)
 
 
-def fixed_batches(base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int):
+def fixed_batches(base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int, engine: EngineConfig):
     """The engine distill ran before continuous batching: `generate` on consecutive batches of the sorted prompts
     (finished rows leave their batch, none joins it). Greedy here, so no per-row generators."""
-    cfg = replace(sampler, eos_token_id=eos)
+    cfg, fast = replace(sampler, eos_token_id=eos), build(engine, base.device)
 
     def run(prompt_ids: list[list[int]], ids: list[str]):
         for lo in range(0, len(ids), batch_size):
-            r = generate(base, prompt_ids[lo : lo + batch_size], None, cfg)
+            r = generate(base, prompt_ids[lo : lo + batch_size], None, cfg, engine=fast)
             yield from ((lo + b, r.tokens[b, :n].tolist()) for b, n in enumerate(r.num_generated))
 
     return run
@@ -95,7 +97,7 @@ def prefill_decode_split(base, prompts: list[list[int]], max_new_tokens: int) ->
     (a batch multiplies every weight by tens of rows), so FLOPs, not bytes, bound it: per response token the base
     runs its decoder layers once for the token and once per prompt token (amortised), the lm_head once."""
     cfg = SamplerConfig(max_new_tokens=max_new_tokens, eos_token_id=_eos(base, SamplerConfig()))
-    r = generate(base, prompts, None, cfg)
+    r = generate(base, prompts, None, cfg, engine=build(device=base.device))
     layers = 2 * sum(p.numel() for layer in base.layers for p in layer.parameters())  # FLOPs per token
     head = 2 * base.lm_head.weight.numel()
     padded, generated = len(prompts) * max(map(len, prompts)), sum(r.num_generated)

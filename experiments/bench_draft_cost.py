@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,11 +33,12 @@ from specdec.data.prompts import humaneval, render_chat  # noqa: E402
 from specdec.drafters.hydra import Hydra  # noqa: E402
 from specdec.drafters.medusa import Medusa  # noqa: E402
 from specdec.drafters.prophet import Prophet  # noqa: E402
+from specdec.engines import EngineConfig, build  # noqa: E402
+from specdec.engines.cpu import compact  # noqa: E402
+from specdec.engines.eager.lean import decode_linears  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling import compact  # noqa: E402
-from specdec.sampling.kernels import machine_key  # noqa: E402
-from specdec.sampling.lean import decode_linears  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ar import streamed_bytes  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
     base = load_base(device="cpu")
     prompt = render_chat(base.tokenizer, [{"role": "user", "content": humaneval(1)[0]["turns"][0]}])
     cfg = SamplerConfig(max_new_tokens=args.new, gamma=args.gamma, eos_token_id=[])
-    t1 = forward_costs(base, [1], prompt_len=len(prompt))[1]
+    t1 = forward_costs(base, [1], prompt_len=len(prompt), engine=build(device="cpu"))[1]
     step_bytes = streamed_bytes(base)
     rows, ratios = {}, {}
     for family, make in {"medusa": lambda v: Medusa(base, num_heads=args.gamma, draft_vocab_size=v),
@@ -75,10 +75,10 @@ def main() -> None:
         for vocab in (None, 8192):
             drafter = make(vocab).eval()
             for precision in args.precisions:
-                pcfg = replace(cfg, draft_precision=precision)
-                generate(base, [prompt], drafter, pcfg)  # warm-up (and kernel measurement for new shapes)
+                fast = build(EngineConfig(draft_precision=precision), "cpu")
+                generate(base, [prompt], drafter, cfg, engine=fast)  # warm-up (and kernel measurement for new shapes)
                 per_round = [sum(r.step_draft_s) / len(r.step_draft_s)
-                             for r in (generate(base, [prompt], drafter, pcfg) for _ in range(args.reps))]
+                             for r in (generate(base, [prompt], drafter, cfg, engine=fast) for _ in range(args.reps))]
                 c = statistics.median(per_round) / args.gamma / t1
                 name = f"{family}, vocab {vocab or base.vocab_size}, {precision}"
                 rows[name] = round(c, 4)

@@ -21,11 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import native  # noqa: E402
+from specdec.engines.cpu import native  # noqa: E402
+from specdec.engines.cpu.engine import CpuEngine  # noqa: E402
+from specdec.engines.cpu.kernels import CANDIDATES, COMPACT, DEFAULT_CACHE, KernelTable, _shape_key  # noqa: E402
+from specdec.engines.eager.lean import decode_linears  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.cost import forward_costs  # noqa: E402
-from specdec.sampling.kernels import (CANDIDATES, COMPACT, DEFAULT_CACHE, KernelTable, _shape_key,  # noqa: E402
-                                      machine_key)
-from specdec.sampling.lean import decode_linears  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.ns} for name in tables}
     for _ in range(args.rounds):  # interleaved rounds: drift hits every table alike
         for name, table in tables.items():
-            for n, t in forward_costs(base, args.ns, reps=5, table=table).items():
+            for n, t in forward_costs(base, args.ns, reps=5, engine=CpuEngine(table=table)).items():
                 times[name][n].append(t)
     med = {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
     default = tables["with both (default)"]

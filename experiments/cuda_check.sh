@@ -25,9 +25,9 @@
 # Usage: bash experiments/cuda_check.sh [out_dir]   (default experiments/results/cuda; STEPS="tests bench demo", or any
 # of them and drafter, drafter_eager, drafter_static, profile, ab_draft, ab_trees, verify_forms, fused_units, prophet)
 # Every step runs even when an earlier one failed; steps.txt lists each with its exit status and seconds, and the
-# script exits non-zero if any failed. What each took on an H200 (thirty-sixth to forty-first sessions), for a lent
+# script exits non-zero if any failed. What each took on an H200 (the runs in experiments/results/cuda*), for a lent
 # GPU's budget of device time: tests 80-155 s, bench 175-225 s (the CUDA table measured in it, 50-70 s, 100-115 s since
-# the fused units of cuda_fused.py), verify_forms 30-35 s with that table cached (~170-230 s without), fused_units
+# the fused units of cuda/fused.py), verify_forms 30-35 s with that table cached (~170-230 s without), fused_units
 # ~60 s, demo 235-300 s (features 48, training 62, the two evaluations 80 + 44,
 # the first of them 150 s when it measures the CUDA table) plus its round profile; a fresh machine's start and the
 # workplace setup ~50-100 s more. Each step on a fresh machine measures the table again unless an earlier step did.
@@ -73,10 +73,10 @@ for s in ${STEPS:-tests bench demo}; do
         logger=csv
       cp "$work/train/result.json" "$out/demo_train_result.json" 2>/dev/null
       step demo_eval "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
+        sampler=demo engine=demo 'peers=[hf_generate]' wandb.enabled=false hydra.run.dir="$out/demo_eval"
       step demo_tree "$py" evaluate.py drafters="[$work/train/drafter]" prompts.limit=10 sampler.max_new_tokens=128 \
         sampler=demo_tree 'peers=[]' wandb.enabled=false hydra.run.dir="$out/demo_tree"
-      # where the demo's round goes beyond its verify and draft (the thirty-sixth session's H200 run: o = 0.67 of a
+      # where the demo's round goes beyond its verify and draft (an H200 run: o = 0.67 of a
       # step, against 0.10-0.15 on a 2-core CPU)
       step demo_profile "$py" experiments/profile_round.py "$work/train/drafter" --device cuda --gamma 1 --prompts 3 \
         --new 96 --top 25 ;;
@@ -87,7 +87,7 @@ for s in ${STEPS:-tests bench demo}; do
         sampler=dynamic_tree sampler.dynamic_depth=6 'peers=[]' wandb.enabled=false hydra.run.dir="$out/drafter_tree" ;;
     drafter_eager)
       step drafter_chain_eager "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \
-        sampler.gamma=4 sampler.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
+        sampler.gamma=4 engine.cuda_graphs=false 'peers=[hf_generate]' wandb.enabled=false \
         hydra.run.dir="$out/drafter_chain_eager" ;;
     drafter_static)
       step drafter_static "$py" evaluate.py drafters="[$DRAFTER]" prompts.limit=10 sampler.max_new_tokens=128 \

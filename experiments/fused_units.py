@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec.sampling import cuda_fused, cuda_layer  # noqa: E402
-from specdec.sampling.cuda_kernels import TOLERANCE  # noqa: E402
-from specdec.sampling.lean import lean_rope  # noqa: E402
+from specdec.engines.cuda import fused as cuda_fused  # noqa: E402
+from specdec.engines.cuda import layer as cuda_layer  # noqa: E402
+from specdec.engines.cuda.kernels import TOLERANCE  # noqa: E402
+from specdec.sampling.rotary import lean_rope  # noqa: E402
 
 
 def per_call(calls: list, device: torch.device) -> float:

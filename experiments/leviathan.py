@@ -1,6 +1,6 @@
 """Table `leviathan`: α and τ versus the chain length γ for one chain drafter, measured next to
 Leviathan et al.'s τ = (1 − α^{γ+1})/(1 − α) and the walltime model with the real verify cost,
-speedup = τ/(v(γ+1) + γc) (SPEC.md §8); v(γ+1) = T_{γ+1}/T_1 and c = draft time per depth / T_1 are measured in
+speedup = τ/(v(γ+1) + γc) (docs/sampler.md §8); v(γ+1) = T_{γ+1}/T_1 and c = draft time per depth / T_1 are measured in
 the same run. The paper's τ/(γc + 1) (a verify costs one base step) is shown next to it.
 
     python experiments/leviathan.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
@@ -53,7 +53,7 @@ def build(root):
                   "tau": "τ measured", "tau_model": "τ model", "c": "c", "v": "v(γ+1)", "speedup": "speedup measured",
                   "speedup_decode": "after the first token", "speedup_model": "speedup model",
                   "speedup_unit": "τ/(γc + 1)", "o": "o", "a": "a"}, plot,
-                 ["α̂: accepted / drafted over the run at that γ (SPEC.md §4). α per token: accepted / tokens the "
+                 ["α̂: accepted / drafted over the run at that γ (docs/sampler.md §4). α per token: accepted / tokens the "
                   "verifier decided on (each round's accepted ones and its first rejected one), the maximum-"
                   "likelihood α of Leviathan's i.i.d. model, which the τ model uses; α̂ counts the tokens after a "
                   "rejection, never tried, as failures, and would underpredict τ. "

@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
 from specdec.checkpoint import load_drafter  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
+from specdec.engines import build  # noqa: E402
+from specdec.engines.cpu.kernels import CANDIDATES, default_table  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
-from specdec.sampling.kernels import CANDIDATES, default_table, machine_key  # noqa: E402
 
 
 def main() -> None:
@@ -45,27 +47,29 @@ def main() -> None:
     base = load_base(device=args.device)
     gpu = base.device.type == "cuda"
     drafter = load_drafter(args.drafter, base)
+    fast = build(device=base.device)  # the engine evaluate.py runs (engine=auto)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts + 1)]
     shape = dict(tree="static", paths=json.loads(args.paths)) if args.paths else dict(gamma=args.gamma)
     ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, **shape)
-    generate(base, prompts[:1], None, ar), generate(base, prompts[:1], drafter, spec)  # warm-up (kernel table too)
+    generate(base, prompts[:1], None, ar, engine=fast), generate(base, prompts[:1], drafter, spec,
+                                                                 engine=fast)  # warm-up (kernel table too)
     where = torch.cuda.get_device_name(base.device) if gpu else machine_key()
     print(f"[{where}] {f'tree {args.paths}' if args.paths else f'γ = {args.gamma}'}; ms per round, medians")
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     for p in prompts[1:]:  # one prompt at a time, AR and the drafter back to back: drift hits both alike
-        a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+        a, r = generate(base, [p], None, ar, engine=fast), generate(base, [p], drafter, spec, engine=fast)
         tau = (sum(r.accepted[0]) + len(r.accepted[0])) / len(r.accepted[0])
         print(f"AR step {ms(a.step_verify_s):.1f} | drafter: verify {ms(r.step_verify_s):.1f} "
               f"(v = {statistics.median(r.step_verify_s) / statistics.median(a.step_verify_s):.2f}), "
               f"draft {ms(r.step_draft_s):.1f}, overhead {ms(r.step_overhead_s):.1f} (AR {ms(a.step_overhead_s):.1f}), "
               f"τ {tau:.2f}")
     if args.compare_kernels:
-        compare_kernels(base, drafter, prompts[1:], ar, spec)
+        compare_kernels(base, drafter, prompts[1:], ar, spec, fast)
         return
     for name, d, cfg in (("AR", None, ar), ("drafter", drafter, spec)):
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
-            r = generate(base, prompts[1:2], d, cfg)
+            r = generate(base, prompts[1:2], d, cfg, engine=fast)
         n = len(r.step_verify_s)
         print(f"\n{name}: {n} rounds, {1e3 * (r.total_s - r.ttft_s) / n:.1f} ms a round; self CPU time per round"
               + (" (and self GPU time)" if gpu else "") + ":")
@@ -74,7 +78,7 @@ def main() -> None:
             print(f"  {e.key[:44]:44s} {e.self_cpu_time_total / 1e3 / n:7.2f} ms  {e.count / n:7.1f} calls{on_gpu}")
 
 
-def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
+def compare_kernels(base, drafter, prompts, ar, spec, fast, passes: int = 2) -> None:
     """v(γ+1) in decode (median verify / median AR step, per prompt) with the measured kernel choice, and with each
     candidate forced for every row count above 1 (one row keeps its measured kernel, so the AR step is the same)."""
     table = default_table()
@@ -88,7 +92,7 @@ def compare_kernels(base, drafter, prompts, ar, spec, passes: int = 2) -> None:
             table._by_rows.clear()  # the per-shape lookup is rebuilt from the edited choice
             for p in prompts:
                 try:
-                    a, r = generate(base, [p], None, ar), generate(base, [p], drafter, spec)
+                    a, r = generate(base, [p], None, ar, engine=fast), generate(base, [p], drafter, spec, engine=fast)
                 except (RuntimeError, ValueError):  # a kernel that cannot take these rows (mv: one row only)
                     v[kind] = []
                     break

@@ -15,7 +15,7 @@ and the forward's time with other forms of its two kinds of op (the products and
    and for the attention: sdpa (PyTorch's scaled_dot_product_attention with the additive mask: the memory-efficient
    kernel) against math (the same formula as explicit matmul + softmax). Each form's logits at the largest n are
    compared with the default's (max |Δ|, fp32 rounding). Then the sampler's own choice, cuda_kernels=measured
-   (specdec/sampling/cuda_kernels.py: per shape and row count cuBLAS or a Triton small-M kernel, per query count SDPA
+   (specdec/engines/cuda/kernels.py: per shape and row count cuBLAS or a Triton small-M kernel, per query count SDPA
    or matmul + softmax, measured on this GPU), and the kernels of its recorded forward at the same n.
 Writes DIR/profile_verify.json. On a CPU it runs too (no graphs: eager forwards), which is how it is tested."""
 
@@ -34,10 +34,15 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.base import load_base  # noqa: E402
-from specdec.sampling import cuda_fused, cuda_kernels, graphs  # noqa: E402
+from specdec.engines import EngineConfig, build  # noqa: E402
+from specdec.engines.cuda import fused as cuda_fused  # noqa: E402
+from specdec.engines.cuda import graphs  # noqa: E402
+from specdec.engines.cuda import kernels as cuda_kernels  # noqa: E402
+from specdec.engines.cuda.engine import CudaEngine  # noqa: E402
+from specdec.engines.eager.engine import EagerEngine  # noqa: E402
+from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_times  # noqa: E402
-from specdec.sampling.kernels import machine_key  # noqa: E402
 
 _LINEAR, _SDPA = F.linear, F.scaled_dot_product_attention
 
@@ -91,7 +96,7 @@ def logits_at(base, n: int, prompt_len: int = 128) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
-    ctx = SamplingContext(base, 1, prompt_len + n + 1, graphs=dev.type == "cuda")
+    ctx = SamplingContext(base, 1, prompt_len + n + 1, CudaEngine() if dev.type == "cuda" else EagerEngine())
     ctx.commit_layout(prompt_len)
     ctx.base_forward(prompt)
     ctx.commit(torch.tensor([prompt_len], device=dev), [prompt_len])
@@ -111,7 +116,8 @@ def kernels(base, n: int, reps: int = 20, prompt_len: int = 128) -> tuple[dict[s
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
     tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
     for recorded in (True, False):
-        ctx = SamplingContext(base, 1, prompt_len + n + 1, graphs=recorded and dev.type == "cuda")
+        ctx = SamplingContext(base, 1, prompt_len + n + 1, CudaEngine(EngineConfig(cuda_graphs=recorded))
+                              if dev.type == "cuda" else EagerEngine())
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)
         ctx.commit(torch.tensor([prompt_len], device=dev), [prompt_len])
@@ -193,12 +199,13 @@ def main() -> None:
                 continue  # the attention's form once, with the default products
             with forms(linear, attention):
                 diff = float((logits_at(base, max(args.ns)) - ref).abs().max())
-                times = forward_times(base, args.ns, reps=args.reps, cuda_graphs=True, cuda_kernels="stock")
+                times = forward_times(base, args.ns, reps=args.reps,
+                                      engine=build(EngineConfig(cuda_kernels="stock"), base.device))
             report["forms"][f"{linear}+{attention}"] = row(f"{linear:9s} {attention:5s}", times, args.ns, diff)
     with cuda_kernels.measured(base.model) if gpu else nullcontext() as table:  # the sampler's choice on this GPU
         diff = float((logits_at(base, max(args.ns)) - ref).abs().max())
         graphs._POOLS.pop(BASE.model, None)
-        times = forward_times(base, args.ns, reps=args.reps, cuda_graphs=True)
+        times = forward_times(base, args.ns, reps=args.reps, engine=build(device=base.device))
         report["forms"]["measured"] = row("measured       ", times, args.ns, diff)
         if table is not None:
             report["measured"] = {"measure_s": round(table.measure_s, 1), "choice": table.choice,

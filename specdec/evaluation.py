@@ -1,5 +1,5 @@
 """Evaluate drafters against plain decoding and HF peers on the same base, prompts and machine, in one run:
-a Spec-Bench-style table (markdown, CSV, JSON), plots, and wandb logging (SPEC.md §4, §5, §7)."""
+a Spec-Bench-style table (markdown, CSV, JSON), plots, and wandb logging (docs/sampler.md §4, §5, §7)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
+from specdec.engines import EngineConfig, build
+from specdec.engines.measure import cpu_model
 from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
-from specdec.sampling.kernels import cpu_model
+from specdec.sampling.engine import Engine
 from specdec.sampling.metrics import prompt_metrics, token_acceptance
 
 AR = "ar (ours)"
@@ -75,8 +77,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     for model in cfg.get("draft_models") or []:  # pretrained HF draft models (evaluate-only), tokenizer checked
         drafters[_unique(f"draft_model:{Path(model).name}", drafters)] = DraftModel(base, model=str(model))
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
+    engine = build(hydra.utils.instantiate(cfg.engine) if "engine" in cfg else EngineConfig(), base.device)
     items: list[dict] = hydra.utils.instantiate(cfg.prompts)
-    methods = _methods(cfg, base, drafters, sampler)
+    methods = _methods(cfg, base, drafters, sampler, engine)
 
     # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
     # dir reads them back and runs only what is missing.
@@ -92,7 +95,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         for m in todo:
             m.run([first] * m.batch)
 
-    # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (SPEC.md §8). With an
+    # The verify-cost curve at the chain's γ+1, same run: what the Leviathan check predicts from (docs/sampler.md §8). With an
     # adaptive draft length a round verifies γ_s + 1 ≤ γ + 1 tokens, so every block size up to γ + 1 is measured.
     # Timed before the methods and again after each of their turns, all timings pooled: T_1, which every cost ratio
     # divides by, then sees the same phases of a noisy machine as the runs it is compared with (timed only before,
@@ -103,12 +106,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     cost_times: dict[int, list[float]] = {n: [] for n in [1, *sorted(sizes)]} if gammas else {}
 
     def time_costs(reps: int) -> None:
-        for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps,
-                                  cpu_kernels=sampler.cpu_kernels, lean=sampler.lean,
-                                  native_layers=sampler.native_layers, cuda_graphs=sampler.cuda_graphs,
-                                  greedy_shortlist=sampler.temperature == 0 and sampler.greedy_shortlist,
-                                  compact_weights=sampler.compact_weights,
-                                  cuda_kernels=sampler.cuda_kernels).items():
+        for n, t in forward_times(base, list(cost_times), prompt_len=prompt_len, reps=reps, engine=engine,
+                                  greedy=sampler.temperature == 0).items():
             cost_times[n].extend(t)
 
     if cost_times:
@@ -125,20 +124,22 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 # -- methods ---------------------------------------------------------------------------------------
-def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler: SamplerConfig) -> list[Method]:
+def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler: SamplerConfig,
+             engine: Engine) -> list[Method]:
     ar_cfg = replace(sampler, tree="chain", lookup_tokens=0)
-    methods = [Method(AR, _ours(base, None, ar_cfg, cfg.seed), True, batch=cfg.batch_size)]
+    methods = [Method(AR, _ours(base, None, ar_cfg, cfg.seed, engine), True, batch=cfg.batch_size)]
     # With n-gram lookup on (sampler.lookup_tokens), each drafter runs with and without it, and lookup alone is a
     # method of its own: what the trained drafter adds to free lookup, and the reverse, side by side.
     plain = replace(sampler, lookup_tokens=0)
     for name, d in drafters.items():
         gamma = sampler.gamma if sampler.tree == "chain" else None
-        methods.append(Method(name, _ours(base, d, plain, cfg.seed), sampler.lossless, gamma, cfg.batch_size))
+        methods.append(Method(name, _ours(base, d, plain, cfg.seed, engine), sampler.lossless, gamma, cfg.batch_size))
         if sampler.lookup_tokens:
-            methods.append(Method(f"{name}+lookup", _ours(base, d, sampler, cfg.seed), sampler.lossless,
+            methods.append(Method(f"{name}+lookup", _ours(base, d, sampler, cfg.seed, engine), sampler.lossless,
                                   batch=cfg.batch_size))
     if sampler.lookup_tokens:
-        methods.append(Method(LOOKUP, _ours(base, None, sampler, cfg.seed), sampler.lossless, batch=cfg.batch_size))
+        methods.append(Method(LOOKUP, _ours(base, None, sampler, cfg.seed, engine), sampler.lossless,
+                              batch=cfg.batch_size))
     hf = {
         "hf_generate": {},
         "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens},
@@ -166,10 +167,10 @@ def _assistant(drafters: dict[str, Drafter], tokens: int | None) -> dict:
     return {"assistant_model": model}
 
 
-def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int) -> Callable:
+def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int, engine: Engine) -> Callable:
     def run(prompts: list[list[int]]) -> list[Run]:
         gens = [torch.Generator(device=base.device).manual_seed(seed + i) for i in range(len(prompts))]
-        r = generate(base, prompts, drafter, sampler, generator=gens)
+        r = generate(base, prompts, drafter, sampler, generator=gens, engine=engine)
         # a batch shares its wall time: each row is charged the whole of it, so tok/s per row is per-stream speed
         return [
             Run(r.tokens[b, : r.num_generated[b]].tolist(), r.total_s, r.accepted[b], r.drafted[b], r.ttft_s,
@@ -209,7 +210,7 @@ def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict
     the machine in falls on each of our methods in turn. Rotated with ours, HF `generate` was followed by our AR loop
     in nearly every turn, and on a 2-core Zen 5 EPYC make demo's Hydra heads read 1.13-1.16× our AR loop with it in
     the run (3 runs; v(2) 1.15-1.19) against 1.19-1.23× with it last (2 runs; v(2) 1.06-1.08) and without it (5 runs;
-    v(2) 1.04-1.07): the cause unknown, the bias plain (thirty-fifth session). `saved(m)` follows each chunk,
+    v(2) 1.04-1.07): the cause unknown, the bias plain. `saved(m)` follows each chunk,
     `after_turn()` each turn."""
     pending = [m for m in methods if len(runs[m.name]) < len(items)]
     left = sum(-(-(len(items) - len(runs[m.name])) // m.batch) for m in pending)
@@ -296,7 +297,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             "per_category_speedup": {c: mean_tok_s(m.name, idx) / mean_tok_s(AR, idx) for c, idx in by_cat.items()},
             "per_prompt": per_prompt,
         }
-        if m.chain_gamma and accepted:  # Leviathan et al. with the measured verify cost (SPEC.md §8)
+        if m.chain_gamma and accepted:  # Leviathan et al. with the measured verify cost (docs/sampler.md §8)
             g = m.chain_gamma
             t1 = costs[1]  # one base forward over one token, measured in this run
             c = sum(r.t_draft_s for r in flat) / max(sum(drafted), 1) / t1  # draft cost per drafted token, in T_1
@@ -307,7 +308,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             g_mean = sum(drafted) / len(drafted)
             a_tok = token_acceptance(accepted, drafted)  # the model's α (per decided token), not α̂ = Σa/Σγ
             tau_pred = chain_tau(a_tok, g)
-            # The time split the model leaves out (SPEC.md §8), in T_1: what a round costs beyond v + γc (acceptance,
+            # The time split the model leaves out (docs/sampler.md §8), in T_1: what a round costs beyond v + γc (acceptance,
             # rollback, bookkeeping, the in-loop forward against the bare one), and our AR loop's time per token.
             # The speedup after the first token (prefill excluded, pooled) = τ · ar_step / (v + γc + overhead).
             ar_flat = [r for p in ar_runs for r in p]

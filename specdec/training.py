@@ -22,8 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MeanMetric
 
 from specdec.base import Base, Features, resolve_device
+from specdec.calibration import SamplerProbe
 from specdec.checkpoint import save_drafter, write_json
 from specdec.drafters.drafter import Drafter, TrainOutput
+from specdec.engines import build
 from specdec.losses import topk_kl
 from specdec.precision import AUTO, choose_precision
 from specdec.sweeps import RESULT, ConfigError
@@ -316,7 +318,9 @@ def calibrate(cfg: DictConfig, base: Base, drafter: Drafter, out_dir: Path, conf
 
     print(f"[specdec] base {base.name} | drafter {type(drafter).__name__} | no trainable parameters: calibrating")
     try:
-        metrics, detail = drafter.calibrate((batch["input_ids"] for batch in datamodule.val_dataloader()), log)
+        # the search decodes and times on the engine evaluate.py would run it on
+        probe = SamplerProbe(base, build(hydra.utils.instantiate(cfg.engine) if "engine" in cfg else None, base.device))
+        metrics, detail = drafter.calibrate((batch["input_ids"] for batch in datamodule.val_dataloader()), log, probe)
         for lg in loggers:
             lg.log_metrics(metrics, step=len(detail.get("trials", [])))
             lg.finalize("success")

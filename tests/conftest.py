@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,10 +8,20 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from specdec.base import LAST, tiny_base
+from specdec.engines import EngineConfig, build
 from specdec.sampling.context import SamplingContext
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+# the tests mirror specdec/'s packages; the samplers' shared fixtures (test_sampling_decode's stub drafters,
+# test_sampling_mc's exact joint) and test_configs' target check are imported by name from the other folders
+sys.path[:0] = [str(Path(__file__).parent / "sampling"), str(Path(__file__).parent)]
+
+
+def auto_engine(device: str = "cpu", **settings):
+    """The engine EngineConfig(**settings) names for a base on `device` (auto on a CPU: the CPU engine, measured
+    kernels, as evaluate.py runs it)."""
+    return build(EngineConfig(**settings), device)
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -60,7 +71,13 @@ def prefill_and_verify(base, prompt: list[int], tree: bool, lean: bool = True, g
     """Through a SamplingContext: the prompt's prefill, then one verify call (one chain token, or a 2-branch tree:
     the root, two children of it, a grandchild of the second) -> the verify's hidden state and features
     {0, 2, LAST}."""
-    ctx = SamplingContext(base, 1, 64, lean=lean, graphs=graphs)
+    # the CPU engine's forwards: native layers where a measured_kernels block around the call attached them; with
+    # graphs, the CUDA engine's static forward, run on the CPU (nothing is recorded there)
+    fast = build(EngineConfig(name="cpu", lean=lean), "cpu")
+    if graphs:
+        from specdec.engines.cuda.engine import CudaEngine
+        fast = CudaEngine(EngineConfig(name="cuda", lean=lean))
+    ctx = SamplingContext(base, 1, 64, fast)
     ctx.commit_layout(len(prompt))
     ctx.base_forward(torch.tensor([prompt]))
     ctx.commit(torch.tensor([len(prompt)]), [len(prompt)])

@@ -39,3 +39,18 @@ def test_atomic_write_keeps_plain_file_permissions(tmp_path):
     (tmp_path / "b.txt").write_text("x")  # what a plain write gives under the current umask
     assert (tmp_path / "a.txt").stat().st_mode & 0o777 == (tmp_path / "b.txt").stat().st_mode & 0o777
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp file left behind
+
+
+def test_paths_recorded_before_the_engines_moved_out_of_the_sampler_still_resolve():
+    """What saved checkpoints and run configs record: a drafter class under specdec.drafters (unchanged) and the
+    sampler's `_target_`, specdec.sampling.decode.SamplerConfig, which still names the sampler's config."""
+    import importlib
+
+    from specdec.sampling.config import SamplerConfig
+
+    for target in ("specdec.drafters.hydra.Hydra", "specdec.drafters.medusa.Medusa", "specdec.drafters.prophet.Prophet",
+                   "specdec.drafters.early_exit.EarlyExit", "specdec.drafters.layer_skip.LayerSkip",
+                   "specdec.drafters.draft_model.DraftModel"):
+        module, _, name = target.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), name), type)
+    assert importlib.import_module("specdec.sampling.decode").SamplerConfig is SamplerConfig

@@ -8,7 +8,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-from conftest import CONFIGS, compose_train
 from specdec.base import smollm2_gguf_path, tiny_base
 from specdec.data import prompts as prompt_sets
 from specdec.data.datamodule import TextDataModule
@@ -17,6 +16,8 @@ from specdec.data.sources import chat, text
 from specdec.drafters.medusa import Medusa
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.training import resume_path
+
+from conftest import CONFIGS, auto_engine, compose_train
 
 
 def _one_line(excinfo) -> str:
@@ -43,7 +44,7 @@ def test_sampler_settings(kwargs, says):
 
 def test_empty_prompt(tiny):
     with pytest.raises(ValueError) as e:
-        generate(tiny, [[1, 2, 3], []], None, SamplerConfig(max_new_tokens=4))
+        generate(tiny, [[1, 2, 3], []], None, SamplerConfig(max_new_tokens=4), engine=auto_engine())
     assert "prompt(s) [1] are empty" in _one_line(e)
 
 
@@ -54,7 +55,7 @@ def test_empty_prompt(tiny):
 def test_beyond_the_context(tiny, cfg, says):
     drafter = Medusa(tiny, num_heads=2)
     with pytest.raises(ValueError) as e:
-        generate(tiny, [[5] * 200], drafter if cfg.gamma > 4 else None, cfg)
+        generate(tiny, [[5] * 200], drafter if cfg.gamma > 4 else None, cfg, engine=auto_engine())
     message = _one_line(e)
     assert says in message and "beyond the base's context of 4096" in message
 
@@ -64,29 +65,30 @@ def test_nan_logits_fail_instead_of_emitting_garbage():
     with torch.no_grad():
         base.model.lm_head.weight[7, 0] = float("nan")
     with pytest.raises(FloatingPointError) as e:
-        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))
+        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4), engine=auto_engine())
     assert "NaN/inf in the base's logits" in _one_line(e)
 
 
 def test_nan_logits_fail_where_the_argmax_is_recorded(monkeypatch):
     """A GPU's greedy verify takes `checked_argmax` inside its graph: the host sees -1 and fails the same way."""
+    from specdec.engines.cuda.engine import CudaEngine
     from specdec.sampling import decode
 
-    monkeypatch.setattr(decode, "use_graphs", lambda c, device: c.cuda_graphs)  # the graph path on the CPU
+    graphed = CudaEngine()  # the graph path on the CPU (the static forward, run eagerly)
     base = tiny_base(seed=5)
-    generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))  # (a sound base decodes)
+    generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4), engine=graphed)  # (a sound base decodes)
     with torch.no_grad():
         base.model.lm_head.weight[7, 0] = float("nan")
     monkeypatch.setattr(decode, "finite", lambda logits, where: logits)  # (the prefill's own check is not this test's)
     with pytest.raises(FloatingPointError) as e:
-        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4))
+        generate(base, [[1, 2, 3]], None, SamplerConfig(max_new_tokens=4), engine=graphed)
     assert "NaN/inf in the base's logits at decode round 1" in _one_line(e)
 
 
 def test_checked_argmax_marks_what_greedy_decoding_must_not_emit():
     """`checked_argmax`, the recorded form of finite_argmax: the argmax, first on a tie, or -1 where a NaN or +inf
     would be chosen or the row has no finite logit; an -inf below a finite max changes no token and passes."""
-    from specdec.sampling.argmax import checked_argmax
+    from specdec.sampling.verify import checked_argmax
 
     logits = torch.randint(0, 3, (2, 3, 50)).float()
     logits[0, 1, :7] = float("-inf")
@@ -111,7 +113,7 @@ def test_finite_logits_whose_sum_overflows_pass():
 def test_greedy_argmax_checks_only_the_chosen_logits():
     """A greedy round's check (finite_argmax): the argmax, first on a tie, failing wherever a NaN or +inf would be
     chosen or a row has no finite logit; an -inf below a finite max changes no token and passes."""
-    from specdec.sampling.decode import finite_argmax
+    from specdec.sampling.checks import finite_argmax
 
     logits = torch.randint(0, 3, (2, 3, 50)).float()
     logits[0, 1, :7] = float("-inf")

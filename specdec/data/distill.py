@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -37,8 +37,9 @@ from specdec.base import Base
 from specdec.checkpoint import write_json
 from specdec.data.prompts import render_chat
 from specdec.data.stdlib_tasks import task_group, task_kind
-from specdec.sampling.decode import SamplerConfig
-from specdec.sampling.stream import stream
+from specdec.data.stream import stream
+from specdec.engines import EngineConfig, build
+from specdec.sampling.config import SamplerConfig
 
 ENGINES = ("specdec", "hf")  # our decode loop, no drafter, continuous batching | transformers' generate, left padding
 
@@ -54,12 +55,14 @@ def distill(
     seed: int = 0,
     engine: str = "specdec",
     max_shards: int | None = None,
+    decode_engine: EngineConfig | None = None,
 ) -> Dataset:
     """Generate the base's response to the first `limit` prompts (rows with `messages`, optionally `id`) into
     `out_dir`. Resumable: prompts whose id is in a complete shard are skipped, so a rerun generates only the
     rest; a rerun with other settings or another base is refused. `max_shards` bounds a run: it stops once
     `out_dir` holds that many shards (shortest prompts first), so a bounded set is reproducible and a rerun with a
-    larger bound extends it. Returns every row of `out_dir`."""
+    larger bound extends it. `decode_engine`: how our loop's forwards run (engine=specdec; None: auto). Returns every
+    row of `out_dir`."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     out = Path(out_dir).expanduser()
@@ -79,7 +82,7 @@ def distill(
     first = int(existing[-1].name) + 1 if existing else 0
     if max_shards is not None:
         todo = todo[: max(0, max_shards - first) * shard_size]
-    run = _ours(base, sampler, eos, seed, batch_size) if engine == "specdec" else _hf(
+    run = _ours(base, sampler, eos, seed, batch_size, decode_engine) if engine == "specdec" else _hf(
         base, sampler, eos, seed, batch_size, shard_size)
     constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
     generated, t0 = 0, time.perf_counter()
@@ -267,13 +270,15 @@ def _in_shards(answers: Iterator[tuple[int, list[int]]], n: int, shard_size: int
             done += 1
 
 
-def _ours(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int) -> Engine:
+def _ours(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int,
+          decode_engine: EngineConfig | None) -> Engine:
     cfg = replace(sampler, eos_token_id=eos)
+    fast = build(decode_engine, base.device)
 
     def run(prompt_ids: list[list[int]], ids: list[str]) -> Iterator[tuple[int, list[int]]]:
         # one generator per row, seeded by the row's id: a sampled response does not depend on its batch or shard
         gens = [torch.Generator(device=base.device).manual_seed(_row_seed(seed, i)) for i in ids]
-        return stream(base, prompt_ids, cfg, batch_size, gens)
+        return stream(base, prompt_ids, cfg, batch_size, gens, engine=fast)
 
     return run
 
@@ -381,7 +386,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.start_from:
         restore(cfg.start_from, cfg.out_dir, shard_size=cfg.shard_size)
     distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
-            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards)
+            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards,
+            decode_engine=hydra.utils.instantiate(cfg.decode_engine))
     if cfg.ship_to:
         overrides = " ".join(HydraConfig.get().overrides.task)
         command = cfg.ship_command or f"python -m specdec.data.distill {overrides}".strip()

@@ -79,7 +79,7 @@ class DraftModel(Drafter):
         return TrainOutput(logits=self._logits(h)[:, :, None])  # [B, T, 1, V_d]
 
     def expected_tau(self, accept: torch.Tensor) -> torch.Tensor:
-        """Chain of gamma drafts each accepted with α: Σ_{i≤γ} α^i = (1 − α^{γ+1}) / (1 − α) (SPEC.md §4)."""
+        """Chain of gamma drafts each accepted with α: Σ_{i≤γ} α^i = (1 − α^{γ+1}) / (1 − α) (docs/sampler.md §4)."""
         return torch.stack([accept[0] ** i for i in range(self.gamma + 1)]).sum()
 
     def calibrate(self, blocks, log):

@@ -22,6 +22,32 @@ class TrainOutput:
     aux_metrics: dict[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class ChainParts:
+    """What a feature drafter's depth is made of: the token embeddings [V, H], the embedding's RMSNorm, fc [H, 2H]
+    over [ĥ; norm(emb)], the decoder layers, the final RMSNorm (-> ĥ), the vocab head [V_d, H] and the draft vocab's
+    base token ids [V_d] (None without one)."""
+
+    embed: torch.Tensor
+    emb_norm: nn.Module
+    fc: nn.Linear
+    blocks: nn.ModuleList
+    norm: nn.Module
+    head: nn.Linear
+    vocab: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class HeadParts:
+    """One Hydra head as chain.c runs it: the norm of its path's embeddings, in_proj over [h; the normed embeddings],
+    the linears of its residual blocks (x + SiLU(W x + b)) and its vocab head [V_d, H]."""
+
+    emb_norm: nn.Module
+    in_proj: nn.Linear
+    blocks: list[nn.Linear]
+    head: nn.Linear
+
+
 class DraftContext(Protocol):
     """Handed by the sampler to `observe` and `expand`. It owns every KV cache, attention mask and rotary
     position, so drafters with attention (early exit, prophet) only compose decoder layers.
@@ -62,6 +88,25 @@ class DraftContext(Protocol):
         are already in the store (a draft model skips committed tokens it ran while drafting)."""
         ...
 
+    def feature_chain(self, drafter: nn.Module, parts: ChainParts, root: torch.Tensor, gamma: int, store: str,
+                      position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A feature drafter's greedy chain of γ tokens from its root entry's layer output root [1, 1, H], as its
+        `expand` calls would draft it depth by depth, in one call where the sampler's engine has one -> (tokens
+        [1, γ] base ids, each depth's ĥ [1, γ, H]); None: draft it depth by depth."""
+        ...
+
+    def feature_entries(self, drafter: nn.Module, parts: ChainParts, features: torch.Tensor, tokens: torch.Tensor,
+                        store: str, position_offset: int, otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A feature drafter's real entries in the current layout: otherwise() (its run_layers over its step inputs)
+        -> [1, n, H], or the same in one call where the engine has one and that measures faster."""
+        ...
+
+    def head_chain(self, drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, vocab: torch.Tensor | None,
+                   h: torch.Tensor, root: torch.Tensor, top: int = 1) -> torch.Tensor | None:
+        """Hydra's greedy chain of len(heads) tokens from its newest base feature h [1, H] and the root [1], in one
+        call where the engine has one -> tokens [1, γ − 1 + top]; None: draft it head by head."""
+        ...
+
 
 class Drafter(nn.Module):
     """Base class. Subclasses set `target_offsets`, `head_names`, and implement the methods below.
@@ -77,7 +122,7 @@ class Drafter(nn.Module):
     max_depth: int | None = None  # deepest draft depth it supports (Medusa: num_heads); None = unbounded
     # Its `expand` is device ops alone for a given tree: no host reads of device values, host tensors reach the device
     # only through ctx.on_device, and its round state is tensors and NodeTables. Then a greedy static-tree draft may be
-    # recorded whole as one CUDA graph (specdec/sampling/draft_graph.py).
+    # recorded whole as one CUDA graph (specdec/engines/cuda/draft_graph.py).
     graph_draft: bool = False
     # Its `observe` and `expand` run layers through the context (run_layers / run_model), so the sampler lays out their
     # queries first (commit_layout, tree_layout). False: they only read features and tokens (Medusa, Hydra), and the
@@ -131,7 +176,7 @@ class Drafter(nn.Module):
 
     def expected_tau(self, accept: torch.Tensor) -> torch.Tensor:
         """Predicted mean accepted length (bonus included) from per-entry expected acceptance `accept` [K],
-        for a chain that drafts entry k at depth k: τ = 1 + Σ_k Π_{j≤k} α_j (SPEC.md §4)."""
+        for a chain that drafts entry k at depth k: τ = 1 + Σ_k Π_{j≤k} α_j (docs/sampler.md §4)."""
         return 1 + torch.cumprod(accept, 0).sum()
 
     # -- sampling ----------------------------------------------------------------------------
@@ -151,7 +196,7 @@ class Drafter(nn.Module):
         positions: feats.hidden[l] [B, n, H] for l in feature_layers, feats.logits [B, n, V] the base's logits
         there after a verify for a drafter that sets `reads_logits` (None otherwise, after the prefill, where a
         prompt-long lm_head is not paid for, and after a greedy verify that took the base's argmax without its logits:
-        SamplerConfig.greedy_shortlist), tokens [B, n] at those positions, n_new [B] how many of the n are valid per
+        the engine's argmax shortlist), tokens [B, n] at those positions, n_new [B] how many of the n are valid per
         row (ragged acceptance; the rest is padding; the longest row's are all n: one row has no padding), and
         next_token [B] the base's newly emitted token that follows them (the next round's root)."""
         raise NotImplementedError
@@ -176,7 +221,7 @@ class Drafter(nn.Module):
         and its state as the next `observe` needs it (what only a later `expand` of the round would read may be left
         out: none follows): for a drafter whose logits at depth d do not depend on the tokens drafted before it (Medusa: head
         d+1 reads h_t only), or that runs its whole chain in one native call (the prophet, Hydra:
-        specdec/sampling/native_chain.py). With top > 1, the tree of a chain that fans out at its end
+        specdec/engines/cpu/native_chain.py). With top > 1, the tree of a chain that fans out at its end
         (trees.StaticTree.fan): [B, γ − 1 + top], the last depth's `top` best tokens, best first, in place of its
         top-1. None (the default, or where it cannot this round): the sampler expands the tree depth by depth. Where
         both run, the sampler times them and keeps the faster (trees._greedy_chain)."""
@@ -185,11 +230,13 @@ class Drafter(nn.Module):
     # -- drafters with nothing to train by gradient ---------------------------------------------
     calibration_metrics: tuple[str, ...] = ()  # the metric names `calibrate` returns (what a sweep may optimise)
 
-    def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None]
-                  ) -> tuple[dict[str, float], dict[str, Any]]:
+    def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None],
+                  probe: Any = None) -> tuple[dict[str, float], dict[str, Any]]:
         """train.py calls this instead of gradient training when the drafter has no trainable parameters: fit its
         discrete settings (the layer-skip set) on validation token blocks [T] of the data, reporting progress with
-        log(metrics, step). Returns the final metrics (val/...) and a JSON-able record of how they were found."""
+        log(metrics, step) and measuring through `probe` (specdec.calibration.SamplerProbe: verify times, acceptance,
+        draft times on the sampler and engine evaluate.py runs). Returns the final metrics (val/...) and a JSON-able
+        record of how they were found."""
         raise NotImplementedError(f"{type(self).__name__} has no trainable parameters and nothing to calibrate")
 
     def hf_assistant(self) -> nn.Module | None:

@@ -10,9 +10,17 @@ import torch
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head, newest
+from specdec.drafters.drafter import (
+    DraftContext,
+    Drafter,
+    DraftVocab,
+    HeadParts,
+    NodeTable,
+    TrainOutput,
+    copy_lm_head,
+    newest,
+)
 from specdec.drafters.medusa import ResBlock
-from specdec.sampling import native_chain
 
 
 class HydraHead(nn.Module):
@@ -61,7 +69,7 @@ class Hydra(Drafter):
         self.target_offsets = list(range(1, num_heads + 1))
         self.head_names = [f"head{k}" for k in range(1, num_heads + 1)]
         self.max_depth = num_heads
-        self._chain_parts: dict[int, list[native_chain.HeadParts] | None] = {}  # γ -> what `greedy_chain` runs
+        self._chain_parts: dict[int, list[HeadParts] | None] = {}  # γ -> what `greedy_chain` runs
 
     def vocab_heads(self) -> list[nn.Linear]:
         return list(self.lm_heads or [])
@@ -117,13 +125,13 @@ class Hydra(Drafter):
             silu = all(type(block.act) is nn.SiLU for head in self.heads[:gamma] for block in head.blocks)
             shared = self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head
             parts = self._chain_parts[gamma] = [
-                native_chain.HeadParts(head.emb_norm, head.in_proj, [block.linear for block in head.blocks],
+                HeadParts(head.emb_norm, head.in_proj, [block.linear for block in head.blocks],
                                        self.lm_heads[k] if self.lm_heads is not None else shared)
                 for k, head in enumerate(self.heads[:gamma])] if silu else None
         if parts is None:
             return None
         vocab = None if self.draft_vocab is None else self.draft_vocab.tokens
-        tokens = native_chain.head_chain(self, parts, self.base.embed_tokens.weight, vocab, state["h"], root, top)
+        tokens = ctx.head_chain(self, parts, self.base.embed_tokens.weight, vocab, state["h"], root, top)
         if tokens is not None:
             state["paths"] = NodeTable()
         return tokens

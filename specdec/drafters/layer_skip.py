@@ -5,7 +5,7 @@ round's draft slots, which the verify forward then overwrites with the full mode
 the committed prefix always holds the full model's KV; skipped layers need no draft KV at all.
 
 The skip set is found by `calibrate` (python train.py drafter=layer_skip): Bayesian optimisation over skip sets of
-the PREDICTED SPEEDUP τ(α) / (v(γ+1) + γ·c) (SPEC.md §8), not of α alone: α is measured by the sampler on
+the PREDICTED SPEEDUP τ(α) / (v(γ+1) + γ·c) (docs/sampler.md §8), not of α alone: α is measured by the sampler on
 calibration prompts from the data, the verify cost v and the draft cost c are measured on this machine. The found
 set is an hparam, so the drafter checkpoint (json + an empty or draft-vocab-only safetensors) rebuilds it."""
 
@@ -15,7 +15,6 @@ import itertools
 import logging
 import statistics
 import warnings
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -23,11 +22,6 @@ import torch
 
 from specdec.base import Base, Features
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput
-from specdec.sampling.context import SamplingContext
-from specdec.sampling.cost import forward_costs, wall_clock
-from specdec.sampling.decode import SamplerConfig, generate
-from specdec.sampling.kernels import measured_kernels
-from specdec.sampling.trees import chain_paths, draft_static
 
 
 @dataclass
@@ -87,7 +81,7 @@ class LayerSkip(Drafter):
         raise NotImplementedError("layer skip has nothing to train: train.py runs its skip-set search (calibrate)")
 
     def expected_tau(self, accept: torch.Tensor) -> torch.Tensor:
-        """Chain of gamma drafts each accepted with α: Σ_{i≤γ} α^i = (1 − α^{γ+1}) / (1 − α) (SPEC.md §4)."""
+        """Chain of gamma drafts each accepted with α: Σ_{i≤γ} α^i = (1 − α^{γ+1}) / (1 − α) (docs/sampler.md §4)."""
         return torch.stack([accept[0] ** i for i in range(self.gamma + 1)]).sum()
 
     # -- sampling: embeddings -> the executed layers on the base's own store -> final norm -> lm_head ---------
@@ -102,10 +96,11 @@ class LayerSkip(Drafter):
         return self.project(self.base.norm(h))  # [B, N, V_d]
 
     # -- the skip-set search -------------------------------------------------------------------------------------
-    def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None]
-                  ) -> tuple[dict[str, float], dict[str, Any]]:
+    def calibrate(self, blocks: Iterable[torch.Tensor], log: Callable[[dict[str, float], int], None],
+                  probe=None) -> tuple[dict[str, float], dict[str, Any]]:
         """Search the skip set maximising the predicted speedup, keep it (set_skip), and return its metrics and the
-        record of every skip set tried. A drafter built with skip_layers is only measured (e.g. a uniform set).
+        record of every skip set tried; `probe` (specdec.calibration.SamplerProbe) measures through the sampler. A
+        drafter built with skip_layers is only measured (e.g. a uniform set).
 
         Why Optuna's TPE, called here rather than through the Hydra Optuna sweeper or `bayes_opt`: a trial is a few
         seconds of decoding, so every trial shares one loaded base, one set of calibration prompts and ONE
@@ -113,16 +108,18 @@ class LayerSkip(Drafter):
         timing noise into the ranking); TPE models the 0/1 skip choices as categorical parameters natively, where
         bayes_opt's Gaussian process works on a continuous box and has to round (as Draft & Verify did); and
         Optuna is already installed with the sweeper plugin."""
+        if probe is None:
+            raise ValueError("layer_skip: calibrate needs a SamplerProbe (train.py hands it one)")
         s, n, g = self.search, self.base.num_layers, self.gamma
         prompts = _prompts(blocks, s.prompts, s.prompt_len)
-        t = forward_costs(self.base, [1, g + 1], prompt_len=len(prompts[0]), reps=s.cost_reps)
+        t = probe.verify_times([1, g + 1], len(prompts[0]), s.cost_reps)
         verify = t[g + 1] / t[1]  # v(γ+1)
-        cost = self.draft_costs(prompts[0], t[1])  # c by executed-layer count
+        cost = self.draft_costs(probe, prompts[0], t[1])  # c by executed-layer count
         seen: dict[tuple[int, ...], dict[str, Any]] = {}
 
         def evaluate(skip: tuple[int, ...]) -> dict[str, Any]:
             if skip not in seen:
-                alpha, tau = self._acceptance(skip, prompts)
+                alpha, tau = self._acceptance(probe, skip, prompts)
                 tau_pred = sum(alpha**i for i in range(g + 1))
                 c = cost[n - len(skip)]
                 seen[skip] = {"skip_layers": list(skip), "alpha": alpha, "expected_tau": tau_pred,
@@ -184,40 +181,22 @@ class LayerSkip(Drafter):
             optuna.logging.set_verbosity(verbosity)
 
     @torch.no_grad()
-    def _acceptance(self, skip: tuple[int, ...], prompts: list[list[int]]) -> tuple[float, float]:
+    def _acceptance(self, probe, skip: tuple[int, ...], prompts: list[list[int]]) -> tuple[float, float]:
         """α (accepted / drafted) and measured τ of the sampler drafting with `skip` on the calibration prompts."""
         self.set_skip(skip)
-        cfg = SamplerConfig(max_new_tokens=self.search.max_new_tokens, temperature=self.search.temperature,
-                            gamma=self.gamma)
-        gen = torch.Generator(device=self.base.device).manual_seed(self.search.seed)
-        r = generate(self.base, prompts, self, cfg, generator=gen)
-        accepted = [a for row in r.accepted for a in row]
-        drafted = sum(g for row in r.drafted for g in row)
+        s = self.search
+        accepted, drafted = probe.acceptance(self, prompts, self.gamma, s.max_new_tokens, s.temperature, s.seed)
         return sum(accepted) / max(drafted, 1), (sum(accepted) + len(accepted)) / max(len(accepted), 1)
 
-    @torch.no_grad()
-    def draft_costs(self, prompt: list[int], t1: float) -> dict[int, float]:
+    def draft_costs(self, probe, prompt: list[int], t1: float) -> dict[int, float]:
         """c(k) for k = 0..L executed layers: the seconds of one chain draft of γ tokens by the sampler's own drafting
         code after `prompt`, per depth, in units of T_1 (one base forward over one token). All layers have one
         shape, so the cost depends on k only; timing each k once (interleaved, so drift hits every k alike) means two
         skip sets of one size are never ranked by timing noise."""
-        base, dev, n, g = self.base, self.base.device, self.base.num_layers, self.gamma
-        ids = torch.tensor([prompt], device=dev)
-        ctx = SamplingContext(base, 1, len(prompt) + g + 2)
-        ctx.commit_layout(len(prompt))
-        ctx.base_forward(ids)
-        ctx.commit(torch.tensor([len(prompt)], device=dev), [len(prompt)])
-        times: dict[int, list[float]] = {k: [] for k in range(n + 1)}
-        kept = list(self.skip_layers)
-        fast = SamplerConfig().cpu_kernels == "measured" and dev.type == "cpu"  # as generate() runs it
-        with measured_kernels(base, self) if fast else nullcontext():
-            for rep in range(self.search.cost_reps + 1):  # the first pass warms up and is not kept
-                for k in range(n + 1):
-                    self.set_skip(range(k, n))  # k executed layers; which ones does not change the cost
-                    t0 = wall_clock(dev)
-                    draft_static(self, self.init_state(1, ctx.max_len), ctx, ids[:, -1], chain_paths(g))
-                    if rep:
-                        times[k].append(wall_clock(dev) - t0)
+        n, g, kept = self.base.num_layers, self.gamma, list(self.skip_layers)
+        # k executed layers: which ones does not change the cost
+        settings = {k: (lambda k=k: self.set_skip(range(k, n))) for k in range(n + 1)}
+        times = probe.draft_times(self, prompt, g, settings, self.search.cost_reps)
         self.set_skip(kept)
         return {k: statistics.median(ts) / g / t1 for k, ts in times.items()}
 

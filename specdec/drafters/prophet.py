@@ -27,8 +27,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdec.base import LAST, Base, Features, cache_arg
-from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
-from specdec.sampling import native_chain
+from specdec.drafters.drafter import ChainParts, DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
 POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
@@ -79,7 +78,7 @@ class Prophet(Drafter):
         self.target_offsets = list(range(1, unroll_steps + 1))
         self.head_names = [f"step{j}" for j in range(1, unroll_steps + 1)]
         self.max_depth = None  # a chain can run as deep as the sampler asks
-        self._native_parts: native_chain.ChainParts | None = None  # what the native calls read (`init_state`)
+        self._native_parts: ChainParts | None = None  # what the native calls read (`init_state`)
 
     @torch.no_grad()
     def _init_identity(self) -> None:
@@ -213,8 +212,8 @@ class Prophet(Drafter):
         if rows is not None:  # (one row has no padding: its n_new is n, where the cat put next_token)
             toks[rows, n_new] = next_token
         ctx.commit_layout(n + 1)  # the root's slot L_b + n_new_b is index n_new_b of row b
-        out = native_chain.entries(  # [B, n+1, H]: one native call where that is taken and faster, else the blocks
-            self, self._native_parts, ctx, prev, toks, STORE, POSITION_OFFSET,
+        out = ctx.feature_entries(  # [B, n+1, H]: one call where the engine has one and it is faster, else the blocks
+            self, self._native_parts, prev, toks, STORE, POSITION_OFFSET,
             otherwise=lambda: ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE,
                                              POSITION_OFFSET))
         if rows is None:  # one row: its newest feature and its root entry are the last (views, not index ops)
@@ -244,18 +243,18 @@ class Prophet(Drafter):
         for a chain that fans out at its end, top > 1)."""
         if top > 1:
             return None
-        drafted = native_chain.draft(self, self._native_parts, ctx, state["root"], gamma, STORE, POSITION_OFFSET)
+        drafted = ctx.feature_chain(self, self._native_parts, state["root"], gamma, STORE, POSITION_OFFSET)
         if drafted is None:
             return None
         tokens, hats = drafted  # [1, γ], [1, γ, H]
         state["hats"] = NodeTable.of(hats)  # nodes 0 .. γ-1, as the chain's expand calls leave it
         return tokens
 
-    def _parts(self) -> native_chain.ChainParts:
+    def _parts(self) -> ChainParts:
         """What `step_input`, the blocks and `readout` are made of, for the native calls (native_chain.py)."""
         head = self.lm_head if self.lm_head is not None else (
             self.base.lm_head if self.draft_vocab is None else self.draft_vocab.head)
-        return native_chain.ChainParts(
+        return ChainParts(
             embed=self.base.embed_tokens.weight, emb_norm=self.emb_norm, fc=self.fc, blocks=self.blocks,
             norm=self.norm, head=head, vocab=None if self.draft_vocab is None else self.draft_vocab.tokens)
 

@@ -16,13 +16,10 @@ import torch
 from torch import nn
 
 from specdec.base import Base, cache_arg
-from specdec.sampling import native_layer
-from specdec.sampling.argmax import checked_argmax
 from specdec.sampling.cache import SlotCache
-from specdec.sampling.graphs import MAX_QUERIES, MAX_ROWS, GraphPool, claim
-from specdec.sampling.lean import LeanLayer, lean, lean_rope
-from specdec.sampling.rotary import RotaryTable
-
+from specdec.sampling.engine import REFERENCE, Engine
+from specdec.sampling.rotary import RotaryTable, lean_rope
+from specdec.sampling.verify import checked_argmax
 
 _PENDING = object()  # a layout's mask not made yet
 
@@ -36,16 +33,16 @@ def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class SamplingContext:
-    def __init__(self, base: Base, batch_size: int, max_len: int, lean: bool = True, graphs: bool = False):
+    def __init__(self, base: Base, batch_size: int, max_len: int, engine: Engine = REFERENCE):
         self.base = base
         self.dtype = base.dtype  # (Base.dtype goes through HF's embedding getters: ~5-10 µs a read)
         self.max_len = max_len
-        self.lean = lean  # Llama-style layers through specdec.sampling.lean (False: each layer's own HF forward)
-        # forwards of a few tokens (base and drafter layers) replayed from CUDA graphs (graphs.py) where they can be;
+        self.engine = engine  # how layers run (sampling/engine.py); the reference: each layer's own HF forward
+        # forwards of a few tokens (base and drafter layers) replayed from recorded graphs where the engine has them;
         # a store a graph runs on then lives in its pool's buffers
-        self.graphs = graphs
-        self.pools: dict[str, GraphPool] = {}  # store -> its pool
-        self._adopted: set[tuple[str, tuple[LeanLayer, ...]]] = set()
+        self.graphs = engine.graphs
+        self.pools: dict[str, object] = {}  # store -> the engine's graph pool for it
+        self.adopted: set[tuple] = set()  # (store, layers) whose K/V a pool's buffers hold
         self.stores: dict[str, SlotCache] = {"base": SlotCache(max_len)}
         self.length = torch.zeros(batch_size, dtype=torch.long, device=base.device)  # [B] committed L_b
         self.length_host = [0] * batch_size  # the same on the host: sizes the key window without a sync
@@ -65,7 +62,7 @@ class SamplingContext:
         # device copies of the small layout tensors (a decode repeats a few layouts): a blocking copy from host memory
         # would make the host wait for the GPU's queue on every forward
         self._copies: dict[tuple, torch.Tensor] = {}
-        self._leans: dict[tuple[int, ...], tuple[list[nn.Module], list[LeanLayer | None]]] = {}  # see `_lean`
+        self._leans: dict[tuple[int, ...], tuple[list[nn.Module], list[nn.Module | None]]] = {}  # see `_lean`
 
     # -- layouts -------------------------------------------------------------------------------
     def commit_layout(self, n: int) -> None:
@@ -153,14 +150,14 @@ class SamplingContext:
         allowed = (key_rel < 0)[:, None, :] | (in_round[:, None, :] & seen)
         return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, neg)[:, None]
 
-    def _slot_cache(self, name: str) -> SlotCache:
+    def slot_cache(self, name: str) -> SlotCache:
         if name not in self.stores:
             self.stores[name] = SlotCache(self.max_len)
         return self.stores[name]
 
     def _store(self, name: str, start: int = 0) -> SlotCache:
         """The store `name` set up to write the current layout's queries from index `start` on (eagerly)."""
-        store = self._slot_cache(name)
+        store = self.slot_cache(name)
         store.write_slots = self.slots[:, start:] if start else self.slots
         store.write_start = None if self.write_start is None else self.write_start + start
         store.width = self.width
@@ -177,7 +174,7 @@ class SamplingContext:
             return pool.forward(fast, hidden, self._at, *self._graph_layout(), offset=position_offset)[0]
         return self._run(layers, fast, hidden, self._store(store), position_offset)[0]
 
-    def _run(self, layers: Sequence[nn.Module], fast: list[LeanLayer | None], hidden: torch.Tensor, cache: SlotCache,
+    def _run(self, layers: Sequence[nn.Module], fast: list[nn.Module | None], hidden: torch.Tensor, cache: SlotCache,
              position_offset: int = 0, keep: Collection[int] = (),
              norm: nn.Module | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over hidden [B, n, H] (each lean where `fast` has it), rotated at the layout's positions +
@@ -185,15 +182,15 @@ class SamplingContext:
         rope, lean_table = self._rotary(hidden, position_offset, any(f is None for f in fast),
                                         any(f is not None for f in fast))
         inputs, mask = {}, self.mask
-        if lean_table is not None and all(f is not None for f in fast):  # every layer lean: one native call?
-            done = native_layer.run_stack(fast, hidden, lean_table, mask, cache, keep, norm)
+        if lean_table is not None and all(f is not None for f in fast):  # every layer fast: one call for all?
+            done = self.engine.run_stack(fast, hidden, lean_table, mask, cache, keep, norm)
             if done is not None:
                 return done
         for i, (layer, lean_layer) in enumerate(zip(layers, fast)):
             if i in keep:
                 inputs[i] = hidden
             if lean_layer is not None:
-                hidden = lean_layer(hidden, lean_table, mask, cache)
+                hidden = self.engine.run_layer(lean_layer, hidden, lean_table, mask, cache)
                 continue
             out = layer(
                 hidden, attention_mask=mask, position_ids=self._positions(position_offset), use_cache=True,
@@ -220,17 +217,16 @@ class SamplingContext:
         rope = self.base.rotary_emb(hidden, self._positions(offset))
         return rope, lean_rope(*rope) if fast else None
 
-    def _lean(self, layers: Sequence[nn.Module]) -> list[LeanLayer | None]:
-        """The lean forward of each layer, None where it runs its own HF forward (lean off, a layer of another
-        shape, or autograd on: the lean path is for decoding). Looked up once per context and stack of layers: a
-        decode does not replace weights, and checking that every layer's lean form is still current took ~0.3 ms of
-        a 7.6 ms AR step."""
-        if not self.lean or torch.is_grad_enabled():
+    def _lean(self, layers: Sequence[nn.Module]) -> list[nn.Module | None]:
+        """The engine's fast form of each layer, None where it runs its own HF forward. Looked up once per context and
+        stack of layers: a decode does not replace weights, and checking that every layer's lean form is still current
+        took ~0.3 ms of a 7.6 ms AR step."""
+        if torch.is_grad_enabled():  # (the fast forms are for decoding)
             return [None] * len(layers)
         key = tuple(map(id, layers))
         have = self._leans.get(key)
         if have is None:
-            have = self._leans[key] = (list(layers), [lean(layer) for layer in layers])  # (the layers kept: ids)
+            have = self._leans[key] = (list(layers), [self.engine.fast_layer(layer) for layer in layers])  # (ids kept)
         return have[1]
 
     def run_model(self, model: nn.Module, input_ids: torch.Tensor, store: str) -> torch.Tensor:
@@ -287,28 +283,29 @@ class SamplingContext:
             top = checked_argmax(head(hidden))
         return hidden, feats, top
 
-    def _graph_pool(self, store: str, fast: list[LeanLayer | None], x: torch.Tensor) -> GraphPool | None:
-        """The pool whose recorded graphs run `fast` over x [B, n(, H)] on `store` in the current layout, its
-        buffers made the store's; None where this forward runs eagerly (graphs off, a prefill, a layer without a
-        lean forward)."""
-        if not self.graphs or x.shape[1] > MAX_QUERIES or x.shape[0] > MAX_ROWS or any(f is None for f in fast):
-            return None
-        if min(self.length_host) == 0:  # a prefill (or a drafter reading it): its length is seen once, not recorded
-            return None
-        if store not in self.pools:
-            self.pools[store] = claim(self, store, len(self.length_host), self.max_len)
-        pool = self.pools[store]
-        if pool.rope(x.dtype if x.is_floating_point() else self.base.dtype) is None:
-            return None  # the rotary has no exact table: positions are computed per call
-        key = (store, tuple(fast))
-        if key not in self._adopted:
-            pool.adopt(self._slot_cache(store), fast)
-            self._adopted.add(key)
-        return pool
+    def _graph_pool(self, store: str, fast: list[nn.Module | None], x: torch.Tensor):
+        """The engine's recorded-graph pool for this forward, or None where it runs eagerly."""
+        return self.engine.graph_pool(self, store, fast, x) if self.graphs else None
 
     def _graph_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layout as a recorded forward takes it: rel [n], depth [n], visible [n, r] on the device."""
         return self.on_device(self.rel), self.on_device(self.depth), self.on_device(self._visible.contiguous())
+
+    # -- a drafter's calls in one go, where the engine has them (DraftContext) -------------------------
+    def feature_chain(self, drafter: nn.Module, parts, root: torch.Tensor, gamma: int, store: str,
+                      position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """DraftContext.feature_chain: the engine's whole greedy chain of a feature drafter, or None."""
+        return self.engine.feature_chain(drafter, parts, self, root, gamma, store, position_offset)
+
+    def feature_entries(self, drafter: nn.Module, parts, features: torch.Tensor, tokens: torch.Tensor, store: str,
+                        position_offset: int, otherwise) -> torch.Tensor:
+        """DraftContext.feature_entries: a feature drafter's real entries, in one call where the engine has one."""
+        return self.engine.feature_entries(drafter, parts, self, features, tokens, store, position_offset, otherwise)
+
+    def head_chain(self, drafter: nn.Module, heads: list, embed: torch.Tensor, vocab: torch.Tensor | None,
+                   h: torch.Tensor, root: torch.Tensor, top: int = 1) -> torch.Tensor | None:
+        """DraftContext.head_chain: the engine's whole chain of Hydra heads, or None."""
+        return self.engine.head_chain(drafter, heads, embed, vocab, h, root, top)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def move_path(self, verify_rel: torch.Tensor, draft_rel: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The verify-cost curve (SPEC.md §8): how long one base forward over n query tokens takes, relative to n = 1,
+"""The verify-cost curve (docs/sampler.md §8): how long one base forward over n query tokens takes, relative to n = 1,
 measured on the machine that runs it. A chain of γ pays v(γ+1) per round instead of 1, so the curve (not
 "one verify = one base step") is what predicts a speedup: speedup = τ / (v(γ+1) + γ·c)."""
 
@@ -7,67 +7,50 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from contextlib import nullcontext
 
 import torch
 
 from specdec.base import Base
-from specdec.sampling.argmax import shortlist
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.cuda_kernels import measured as cuda_kernels_measured
-from specdec.sampling.kernels import KernelTable, measured_kernels
-
+from specdec.sampling.engine import REFERENCE, Engine
 
 # Warm-up passes over every n after the prompt's prefill, before the timed ones. After one, the forwards still read
 # slower than the same forward inside our AR loop (the prefill's float32 products had just gone through the caches), and
 # every cost ratio divides by T_1: the `leviathan` table's a, our AR loop's time per token in T_1, was 0.86-0.93 on the
-# 2-core Xeon (twenty-fifth session, experiments/README.md); after 8, 1.01-1.25.
+# 2-core Xeon; after 8, 1.01-1.25.
 WARMUP = 8
 
 
-def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
-                  cpu_kernels: str = "measured", lean: bool = True, table: KernelTable | None = None,
-                  native_layers: bool = True, cuda_graphs: bool = True,
-                  greedy_shortlist: bool = False, compact_weights: bool = True,
-                  cuda_kernels: str = "measured") -> dict[int, float]:
+def forward_costs(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7, engine: Engine = REFERENCE,
+                  greedy: bool = False) -> dict[int, float]:
     """Median seconds of one verify forward (the base over n chain tokens after a prompt of `prompt_len`, lm_head
-    included, exactly as the sampler runs it; `cpu_kernels`, `lean`, `native_layers`, `cuda_graphs`, `compact_weights`,
-    `cuda_kernels` and `greedy_shortlist` (the argmax instead of the logits, as at T = 0) as in SamplerConfig; `table`:
-    the kernel table, the process-wide one by default) for each n in `ns`; rounds of all n are interleaved so drift on a
-    noisy machine hits every n alike."""
-    times = forward_times(base, ns, prompt_len, reps, cpu_kernels, lean, table, native_layers, cuda_graphs,
-                          greedy_shortlist, compact_weights, cuda_kernels=cuda_kernels)
+    included, exactly as the sampler runs it on `engine`; `greedy`: the argmax instead of the logits, as at T = 0)
+    for each n in `ns`; rounds of all n are interleaved so drift on a noisy machine hits every n alike."""
+    times = forward_times(base, ns, prompt_len, reps, engine, greedy)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
 @torch.no_grad()
-def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7,
-                  cpu_kernels: str = "measured", lean: bool = True,
-                  table: KernelTable | None = None, native_layers: bool = True,
-                  cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                  compact_weights: bool = True, warmup: int = WARMUP,
-                  cuda_kernels: str = "measured") -> dict[int, list[float]]:
+def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 7, engine: Engine = REFERENCE,
+                  greedy: bool = False, warmup: int = WARMUP) -> dict[int, list[float]]:
     """`forward_costs`' timings, every one (`reps` per n, after `warmup` passes that are not kept): a caller that
     samples again later, e.g. between an evaluation's prompts, pools them all."""
     dev = base.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, prompt_len), generator=g).to(dev)
-    fast = cpu_kernels == "measured" and dev.type == "cpu"
-    gpu = cuda_kernels != "stock" and dev.type == "cuda"
     times: dict[int, list[float]] = {n: [] for n in ns}
-    with (measured_kernels(base, table=table, lean=lean, native_layers=native_layers, compact=compact_weights) if fast
-          else cuda_kernels_measured(base, fused=cuda_kernels == "measured") if gpu else nullcontext()):
-        ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, lean=lean, graphs=cuda_graphs and dev.type == "cuda")
+    with engine.installed(base):
+        ctx = SamplingContext(base, 1, prompt_len + max(ns) + 1, engine)
         ctx.commit_layout(prompt_len)
         ctx.base_forward(prompt)
         ctx.commit(torch.tensor([prompt_len], device=dev), [prompt_len])
-        head = shortlist(base.lm_head) if greedy_shortlist and fast else None  # as _generate takes it
+        head = engine.greedy_head(base.lm_head) if greedy else None  # as the decode takes it
         for rep in range(reps + warmup):  # the first passes warm up (and record each n's graph) and are not kept
             for n in ns:
                 tokens = torch.randint(0, base.vocab_size, (1, n), generator=g).to(dev)
                 ctx.tree_layout(torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                 t0 = wall_clock(dev)
-                if greedy_shortlist and dev.type != "cpu":  # the argmax in the verify's graph, as _generate on a GPU
+                if greedy and dev.type != "cpu":  # the argmax in the verify's graph, as the decode on a GPU
                     ctx.verify_forward(tokens)
                 else:
                     hidden, _ = ctx.base_forward(tokens)
@@ -77,30 +60,26 @@ def forward_times(base: Base, ns: list[int], prompt_len: int = 128, reps: int = 
     return times
 
 
-# base -> {(cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels): v(0..n)}:
-# each base's curve, measured once per process
+# base -> {(the engine's key, every): v(0..n)}: each base's curve, measured once per process and engine setting
 _CURVES: weakref.WeakKeyDictionary[Base, dict[tuple, list[float]]] = weakref.WeakKeyDictionary()
 
 
-def verify_costs(base: Base, n_max: int, cpu_kernels: str = "measured", lean: bool = True,
-                 native_layers: bool = True, cuda_graphs: bool = True, greedy_shortlist: bool = False,
-                 compact_weights: bool = True, cuda_kernels: str = "measured", every: int = 1) -> list[float]:
-    """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on this machine, measured once per
-    process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every 4th beyond, a size
-    between two measured ones charged the next measured size up (the curve rises in steps: a new pass over the
-    weights every few rows on a CPU). With `every` = b, only at multiples of b (and 1): a batch of b rows verifies
-    b·n tokens, and a batch of thousands (a Monte Carlo test) would otherwise time every size up to b·n."""
+def verify_costs(base: Base, n_max: int, engine: Engine = REFERENCE, greedy: bool = False,
+                 every: int = 1) -> list[float]:
+    """v(n) = T_n / T_1 for n = 0..n_max (v[0] = 0) as the sampler runs a verify on `engine` on this machine,
+    measured once per process and base (`forward_costs`, the time it took printed): at every n up to 16 and at every
+    4th beyond, a size between two measured ones charged the next measured size up (the curve rises in steps: a new
+    pass over the weights every few rows on a CPU). With `every` = b, only at multiples of b (and 1): a batch of b rows
+    verifies b·n tokens, and a batch of thousands (a Monte Carlo test) would otherwise time every size up to b·n."""
     curves = _CURVES.setdefault(base, {})
-    key = (cpu_kernels, lean, native_layers, cuda_graphs, greedy_shortlist, compact_weights, cuda_kernels, every)
+    key = (engine.key(greedy), every)
     have = curves.get(key)
     if have is not None and len(have) > n_max:
         return have[: n_max + 1]
     steps = n_max // every
     grid = sorted({1, *(every * k for k in [*range(1, min(steps, 16) + 1), *range(20, steps + 1, 4)]), n_max})
     t0 = time.perf_counter()
-    costs = forward_costs(base, grid, reps=5, cpu_kernels=cpu_kernels, lean=lean, native_layers=native_layers,
-                          cuda_graphs=cuda_graphs, greedy_shortlist=greedy_shortlist, compact_weights=compact_weights,
-                          cuda_kernels=cuda_kernels)
+    costs = forward_costs(base, grid, reps=5, engine=engine, greedy=greedy)
     print(f"[specdec] verify-cost curve v(1..{n_max}) measured in {time.perf_counter() - t0:.1f} s", flush=True)
     v = [0.0] + [costs[min(g for g in grid if g >= n)] / costs[1] for n in range(1, n_max + 1)]
     curves[key] = v
@@ -128,3 +107,28 @@ def wall_clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class PhaseClock:
+    """A decode's phase boundaries, read after it: `perf_counter` on a CPU; on CUDA an event recorded on the stream at
+    each mark, so timing a round's phases costs no synchronize (five a round held the host until the GPU had drained
+    at every boundary, where it could have queued the next work)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Each mark in seconds after the first."""
+        if not self.cuda:
+            return [t - self.marks[0] for t in self.marks]
+        torch.cuda.synchronize()
+        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]

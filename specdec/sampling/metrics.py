@@ -1,10 +1,8 @@
-"""Speculative-decoding metrics (SPEC.md §4) as plain dicts, per prompt and per run, for evaluation to tabulate."""
+"""Speculative-decoding metrics (docs/sampler.md §4) as plain dicts, per prompt, for evaluation to tabulate."""
 
 from __future__ import annotations
 
 from collections import Counter
-
-from specdec.sampling.decode import GenerationResult
 
 
 def prompt_metrics(accepted: list[int], drafted: list[int], num_tokens: int, seconds: float,
@@ -35,33 +33,6 @@ def token_acceptance(accepted: list[int], drafted: list[int]) -> float:
     γ_s drafted): accepted tokens / tokens the verifier decided on. A round decides on its a_s accepted tokens plus
     the one it rejected, if any (a_s < γ_s); the tokens after a rejection were never tried. This is the maximum-
     likelihood α of Leviathan's i.i.d. model, the α its τ = (1 − α^{γ+1})/(1 − α) expects. The rate α̂ = Σa_s/Σγ_s
-    (SPEC.md §4) counts the untried tokens as failures, so it is lower and that formula underpredicts τ with it."""
+    (docs/sampler.md §4) counts the untried tokens as failures, so it is lower and that formula underpredicts τ with it."""
     tried = sum(a + (a < g) for a, g in zip(accepted, drafted))
     return sum(accepted) / tried if tried else float("nan")
-
-
-def run_metrics(results: list[GenerationResult]) -> dict:
-    """Every row of every result (one per prompt at batch 1); means over prompts, pooled rates, time split."""
-    prompts = [
-        prompt_metrics(r.accepted[b], r.drafted[b], r.num_generated[b], r.total_s, r.decode_s)
-        for r in results for b in range(len(r.num_generated))
-    ]
-    accepted = [a for r in results for row in r.accepted for a in row]
-    drafted = [g for r in results for row in r.drafted for g in row]
-    steps = [(d, v, o) for r in results for d, v, o in zip(r.step_draft_s, r.step_verify_s, r.step_overhead_s)]
-    n = len(prompts)
-    return {
-        "prompts": prompts,
-        "lossless": all(r.lossless for r in results),
-        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else 1.0,
-        "alpha": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
-        "draft_len": sum(drafted) / len(drafted) if drafted else 0.0,
-        "accept_hist": dict(sorted(Counter(accepted).items())),
-        "tok_per_s": sum(p["tok_per_s"] for p in prompts) / n,
-        "decode_tok_per_s": sum(p["decode_tok_per_s"] for p in prompts) / n,
-        "pooled_tok_per_s": sum(p["tokens"] for p in prompts) / sum(r.total_s for r in results),
-        "ttft_s": sum(r.ttft_s for r in results) / len(results),
-        "t_draft_s": sum(s[0] for s in steps) / max(len(steps), 1),
-        "t_verify_s": sum(s[1] for s in steps) / max(len(steps), 1),
-        "t_overhead_s": sum(s[2] for s in steps) / max(len(steps), 1),
-    }

@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.sampling.lean import lean_rope
+
+def lean_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary (cos, sin) [B, n, d] as LeanLayer takes them, made once per forward for every layer:
+    [B, 1, n, d] each, the sine's first half negated. Then rotate_half(x)·sin = roll(x, d/2)·sin' exactly (the
+    halves swap, the sign moves to sin), so the rotation is 3 ops on q and k at once instead of 7 on each."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
 
 MARGIN = 8  # positions below 0 the table holds: drafters may shift theirs (the prophet's entries sit at t - 1)
 

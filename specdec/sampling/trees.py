@@ -5,9 +5,7 @@ passes one `parents` for all rows); only the tokens differ per row."""
 from __future__ import annotations
 
 import functools
-import heapq
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -15,7 +13,6 @@ import torch
 
 from specdec.drafters.drafter import Drafter
 from specdec.sampling.context import SamplingContext
-from specdec.sampling.race import Race
 from specdec.sampling.verify import process_logits, sample
 
 Path = tuple[int, ...]  # (i_1, ..., i_d): the i_1-th top token at depth 1, then the i_2-th of its children, ...
@@ -31,23 +28,6 @@ def close_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
     for p in paths:
         out.update(tuple(p[:d]) for d in range(1, len(p) + 1))
     return sorted(out - {()}, key=lambda p: (len(p), p))
-
-
-def tree_from_accuracies(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path]:
-    """A static tree from measured per-depth top-k accuracies (Medusa §3.2 style). accuracy[d][k] = how often
-    the k-th ranked draft at depth d+1 is the right token. A path's value is the product of its ranks'
-    accuracies (its chance to be accepted, treating depths as independent); grow the tree greedily by value, a
-    node joining only after its parent, up to num_nodes draft nodes."""
-    frontier = [(-accuracy[0][k], (k,)) for k in range(len(accuracy[0]))]
-    heapq.heapify(frontier)
-    chosen: list[Path] = []
-    while frontier and len(chosen) < num_nodes:
-        neg_value, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if len(path) < len(accuracy):
-            for k, acc in enumerate(accuracy[len(path)]):
-                heapq.heappush(frontier, (neg_value * acc, path + (k,)))
-    return close_paths(chosen)
 
 
 @dataclass
@@ -264,12 +244,12 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
     of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
     or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
-    faster here (`Race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
+    faster here (the engine's `race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
     the CPU's to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
     it. A chain that fans out at its end (tree.fan > 1) takes its last depth's top `fan` instead of its top-1, the nodes
     in the tree's order (the chain, then the fan best first)."""
     gamma, top = len(tree.levels), tree.fan
-    race = _RACES.setdefault(drafter, {}).setdefault((gamma, top), Race()) if ctx.length.device.type == "cpu" else None
+    race = ctx.engine.race(drafter, (gamma, top))  # None: the whole chain, wherever the drafter has one
     whole = race is None or race.first()
     start = time.perf_counter()
     drafted = drafter.greedy_chain(state, ctx, root, gamma, top) if whole else None  # [B, γ − 1 + top] or None
@@ -288,10 +268,6 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
         race.record(drafted is not None, time.perf_counter() - start)
     return Round(tokens=tokens, parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
                  draft_slots=tree.slots)
-
-
-# drafter -> (chain length, fan) -> whether its whole-chain draft is the faster way here
-_RACES: weakref.WeakKeyDictionary[Drafter, dict[tuple[int, int], Race]] = weakref.WeakKeyDictionary()
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,

@@ -1,7 +1,7 @@
 """Acceptance rules over a draft tree (a chain is a tree with one child per node), vectorised over rows.
 
 Every rule returns `best` [B] (the deepest accepted node; 0 = the root, nothing accepted) and `bonus` [B] (the
-token the base emits after it). p = the base's post-processed distribution, q = the draft's (SPEC.md §1-§2)."""
+token the base emits after it). p = the base's post-processed distribution, q = the draft's (docs/sampler.md §1-§2)."""
 
 from __future__ import annotations
 
@@ -69,32 +69,12 @@ def _deepest(ok: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> 
     return torch.where(accepted, key, -1).argmax(-1)  # [B]
 
 
-def greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
-           depth: torch.Tensor, present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """T = 0: a node is right when it is the base's argmax after its parent. logits [B, N, V], tokens [B, N],
-    parents [N] (-1 root), ancestors [N, N] bool (ancestor-or-self), depth [N]; present [B, N] bool: the nodes
-    each row proposes (None = all; a row's chain may end early with an adaptive draft length)."""
-    return greedy_targets(logits.argmax(-1), tokens, parents, ancestors, depth, present)
-
-
-def greedy_targets(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
-                   depth: torch.Tensor, present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`greedy` from the base's argmax token after each node, target [B, N] (argmax.py computes it without the
-    logits)."""
-    ok = tokens == target[:, parents.clamp(min=0)]
-    if present is not None:
-        ok &= present
-    ok[:, 0] = True
-    best = _deepest(ok, ancestors, depth)
-    return best, target.gather(1, best[:, None])[:, 0]
-
-
 def greedy_paths(target: list[list[int]], tokens: list[list[int]], parents: list[int],
                  present: list[list[bool]] | None = None) -> list[list[int]]:
-    """`greedy_targets` on host lists, for every greedy round of the decode loop (the base's argmax read once from the
+    """T = 0: a node is right when it is the base's argmax after its parent, on host lists, for every greedy round of the decode loop (the base's argmax read once from the
     device): its dozen tensor ops cost ~0.1-0.3 ms a round on a 2-core CPU and a launch each on a GPU, this a few µs. target, tokens [B][N], parents [N] (parents before children,
     as every round numbers them), present [B][N] or None. Returns each row's accepted path, node ids root first: its
-    last node is the one `greedy_targets` returns (the deepest accepted, the lower index on a tie)."""
+    last node is the deepest accepted one (the lower index on a tie)."""
     out = []
     for row, (tgt, tok) in enumerate(zip(target, tokens)):
         paths: list[list[int] | None] = [[0]]  # per node: its path when it and its ancestors are accepted, else None
@@ -130,7 +110,7 @@ def typical(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancest
 def rejection(p: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, q: torch.Tensor | None,
               max_depth: int, uniform: Uniform,
               present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless recursive rejection (SPEC.md §2). p [B, N, V] post-processed base probabilities at every node;
+    """Lossless recursive rejection (docs/sampler.md §2). p [B, N, V] post-processed base probabilities at every node;
     children [N, K] node ids in the order to try (-1 = none); q [B, N, V] the distribution each node's token was
     sampled from, or None when children are deterministic picks (then q is a point mass on the token); present
     [B, N] bool: the nodes each row proposes (None = all): a node a row does not propose is never tried, as if
@@ -158,3 +138,13 @@ def rejection(p: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, q: 
             moved |= ok
         alive &= moved
     return cur, sample(p_cur, uniform())
+
+
+def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the argmax [...] (long), -1 where that row's max is not finite (a NaN anywhere in the row,
+    +inf, or a row all -inf: greedy decoding would emit garbage there). Device ops alone, so a recorded verify ends
+    with it (graphs.py) and the host reads one small tensor per round, which it checks for -1 (decode.py). An eager
+    decode on a CPU takes decode.finite_argmax instead: the same check read from the max itself, without the isfinite
+    and where (at 2 rows on the 2-core Zen 5: 40 µs a verify against 105)."""
+    best, target = logits.max(-1)
+    return torch.where(torch.isfinite(best), target, -1)

@@ -1,0 +1,40 @@
+"""specdec.engines.build: which engine a config names on which device, and one-line refusals."""
+
+import pytest
+
+from specdec.engines import EngineConfig, build
+from specdec.engines.cpu.engine import CpuEngine
+from specdec.engines.cuda.engine import CudaEngine
+from specdec.engines.eager.engine import EagerEngine
+from specdec.sampling.engine import REFERENCE, Engine
+
+
+def test_auto_picks_the_devices_engine():
+    assert type(build(EngineConfig(), "cpu")) is CpuEngine
+    assert type(build(EngineConfig(), "cuda")) is CudaEngine  # (built, not run: no GPU needed)
+    assert type(build(EngineConfig(cpu_kernels="stock"), "cpu")) is EagerEngine
+    assert type(build(EngineConfig(name="eager"), "cuda")) is EagerEngine
+
+
+def test_each_engine_is_the_interface_and_the_reference_takes_no_fast_path():
+    for engine in (build(EngineConfig(), "cpu"), build(EngineConfig(name="eager"), "cpu"), REFERENCE):
+        assert isinstance(engine, Engine)
+    assert REFERENCE.fast_layer(object()) is None and REFERENCE.greedy_head(object()) is None
+    assert REFERENCE.feature_entries(None, None, None, None, None, "s", 0, lambda: "theirs") == "theirs"
+    assert not REFERENCE.graphs and CudaEngine().graphs and not CudaEngine(EngineConfig(cuda_graphs=False)).graphs
+
+
+def test_an_engine_for_another_device_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="engine: cuda engine for a base on cpu; use engine=auto or engine=eager"):
+        build(EngineConfig(name="cuda"), "cpu")
+    with pytest.raises(ValueError, match="engine: cpu engine for a base on cuda"):
+        build(EngineConfig(name="cpu"), "cuda")
+
+
+@pytest.mark.parametrize("kw, message", [(dict(name="tpu"), "name must be one of auto, eager, cpu, cuda"),
+                                         (dict(cpu_kernels="fast"), "cpu_kernels must be measured or stock"),
+                                         (dict(cuda_kernels="x"), "cuda_kernels must be measured, unfused or stock"),
+                                         (dict(draft_precision="q2"), "draft_precision must be fp32")])
+def test_settings_are_checked(kw, message):
+    with pytest.raises(ValueError, match=f"engine: {message}"):
+        EngineConfig(**kw)
