@@ -15,11 +15,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 SMOLLM2 = "smollm2_135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAST = -1  # feature key of the final, normed hidden state (what the lm_head reads)
+
+# What Base reads off a model: the Llama-style stack, one rotary module shared by every layer (the sampler's
+# SamplingContext computes (cos, sin) once and hands them, with its own 4D mask, to each decoder layer).
+LAYOUT = "model.model.layers, model.model.rotary_emb, model.model.norm, input embeddings and an lm_head"
+SUPPORTED_LAYOUTS = "Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2, Gemma2 and others of that layout"
 
 # A minimal ChatML template for tokenizers that ship none (the tiny byte-level test tokenizer).
 CHATML = (
@@ -44,6 +50,13 @@ class Base(nn.Module):
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str):
         super().__init__()
+        problems = layout_problems(model)
+        if problems:  # refused here, in one line, rather than as an AttributeError deep inside a decode
+            raise ValueError(
+                f"base {name}: {type(model).__name__} is not supported: specdec drives decoder stacks with a shared "
+                f"rotary embedding ({LAYOUT}); this model has {'; '.join(problems)}; supported layouts: "
+                f"{SUPPORTED_LAYOUTS}"
+            )
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
@@ -109,7 +122,10 @@ class Base(nn.Module):
         """Architecture, shapes and a hash of a few weights. Weights are hashed after rounding to bf16 so the
         same base loaded in fp32 or bf16 has one fingerprint."""
         h = hashlib.sha256()
-        probes = [self.embed_tokens.weight[:64], self.layers[-1].mlp.down_proj.weight[:64], self.norm.weight]
+        # the last block's MLP down projection (Llama-style MLPs), else that block's last parameter
+        down_proj = getattr(getattr(self.layers[-1], "mlp", None), "down_proj", None)
+        last = down_proj.weight if down_proj is not None else list(self.layers[-1].parameters())[-1]
+        probes = [self.embed_tokens.weight[:64], last[:64], self.norm.weight]
         for t in probes:
             h.update(t.detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
         cfg = self.model.config
@@ -121,6 +137,44 @@ class Base(nn.Module):
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "weights_sha256": h.hexdigest()[:16],
         }
+
+
+def layout_problems(model: nn.Module) -> list[str]:
+    """What keeps `Base` from driving `model`, read off its modules (not its class name, so any architecture of the
+    Llama layout passes): [] when it has a decoder stack at model.model.layers whose layers take position_embeddings
+    from one shared model.model.rotary_emb, a final model.model.norm, nn.Embedding input embeddings, an nn.Linear
+    lm_head and a config naming hidden_size, num_hidden_layers and vocab_size."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, nn.Module):
+        stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+        return ["no model.model" + (f" (its decoder layers are at {stacks[0]})" if stacks else "")]
+    problems = []
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        problems.append("no model.model.layers")
+    else:
+        kinds = sorted({type(l).__name__ for l in layers
+                        if "position_embeddings" not in inspect.signature(type(l).forward).parameters})
+        if kinds:
+            problems.append(f"decoder layers ({', '.join(kinds)}) that take no position_embeddings")
+        n = getattr(model.config, "num_hidden_layers", None)
+        if n is not None and n != len(layers):
+            problems.append(f"{len(layers)} layers in model.model.layers but config.num_hidden_layers={n}")
+    for part in ("rotary_emb", "norm"):
+        if not isinstance(getattr(inner, part, None), nn.Module):
+            problems.append(f"no model.model.{part}")
+    for what, get, cls in (("input embeddings", "get_input_embeddings", nn.Embedding),
+                           ("lm_head", "get_output_embeddings", nn.Linear)):
+        try:
+            found = getattr(model, get)()
+        except (AttributeError, NotImplementedError):
+            found = None
+        if not isinstance(found, cls):
+            problems.append(f"no nn.{cls.__name__} {what}")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if getattr(model.config, k, None) is None]
+    if missing:
+        problems.append(f"a config without {', '.join(missing)}")
+    return problems
 
 
 def cache_arg(module: nn.Module, cache) -> dict:
@@ -148,12 +202,25 @@ def load_base(
     cache_dir: str = "~/.cache/specdec",
     attn_implementation: str = "sdpa",
 ) -> Base:
-    """Load a frozen base: `smollm2_135m` (embedded GGUF, cached as safetensors), or any HF hub name / local dir."""
+    """Load a frozen base: `smollm2_135m` (embedded GGUF, cached as safetensors), or any HF hub name / local dir.
+    `attn_implementation`: sdpa is taken where the architecture has it, else eager (Gemma2: softcapped attention);
+    a model not of the layout Base drives is refused here, in one line (see `layout_problems`)."""
     torch_dtype = getattr(torch, dtype)
     path = _smollm2_cache(Path(cache_dir).expanduser()) if name == SMOLLM2 else name
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch_dtype, attn_implementation=supported_attention(config, attn_implementation))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Base(model.to(resolve_device(device)), tokenizer, name)
+    return Base(model, tokenizer, name).to(resolve_device(device))  # (checked before it is moved)
+
+
+def supported_attention(config, requested: str | None) -> str | None:
+    """`requested`, or eager where it is sdpa and the architecture's causal-LM class has no sdpa path (transformers
+    refuses sdpa for it, e.g. Gemma2, instead of falling back as it does for a default)."""
+    if requested != "sdpa":
+        return requested
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else requested
 
 
 def smollm2_gguf_path() -> Path:

@@ -22,16 +22,50 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 def load_rows(path: str, split: str = "train", name: str | None = None, on_bad_lines: str = "fail") -> Dataset:
     """A local file/glob (builder chosen by suffix) or an HF hub dataset name (needs network). Local jsonl is read
-    here, line by line, so a malformed line is reported by file and line number (`on_bad_lines`: fail | skip)."""
-    suffix = Path(path.split("*")[0] if "*" in path else path).suffix
-    local = Path(path).exists() or "*" in path
-    if local and suffix == ".jsonl":
-        return Dataset.from_list(read_jsonl(path, on_bad_lines))
-    if local:
-        builder = BUILDERS.get(suffix, "text")
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        return load_dataset(builder, data_files=path, split="train", **kwargs)
-    return load_dataset(path, name, split=split)
+    here, line by line, so a malformed line is reported by file and line number (`on_bad_lines`: fail | skip). A local
+    path or glob that matches no file, or only empty ones, fails in one line naming it."""
+    if not is_local(path):
+        return load_dataset(path, name, split=split)
+    files = local_files(path)
+    suffix = Path(path).suffix
+    if suffix == ".jsonl":
+        rows = read_jsonl(path, on_bad_lines)
+        if not rows:
+            raise ValueError(f"{path}: no JSON rows in {_matched(files)} (every line blank or skipped)")
+        return Dataset.from_list(rows)
+    builder = BUILDERS.get(suffix, "text")
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    return load_dataset(builder, data_files=files, split="train", **kwargs)
+
+
+def is_local(path: str) -> bool:
+    """Whether `path` names local files (an existing path, a glob, a file suffix, or an absolute / relative / home
+    path) rather than a hub dataset (`owner/name`)."""
+    return (Path(path).expanduser().exists() or any(c in path for c in "*?[") or Path(path).suffix in BUILDERS
+            or path.startswith(("/", "./", "../", "~")))
+
+
+def local_files(path: str) -> list[str]:
+    """The files a local path or glob names, sorted; one line (FileNotFoundError / ValueError) naming `path` when it
+    matches no file, is a folder, or matches only empty files."""
+    full = os.path.expanduser(path)
+    if any(c in path for c in "*?["):
+        files = [f for f in sorted(glob.glob(full, recursive=True)) if os.path.isfile(f)]
+        if not files:
+            raise FileNotFoundError(f"no files match {path}")
+    elif os.path.isdir(full):
+        raise ValueError(f"{path} is a folder: name its files with a glob, e.g. {os.path.join(path, '*.txt')}")
+    elif not os.path.isfile(full):
+        raise FileNotFoundError(f"no such file: {path}")
+    else:
+        files = [full]
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ValueError(f"{path}: {_matched(files)} are empty" if len(files) > 1 else f"{path} is an empty file")
+    return files
+
+
+def _matched(files: list[str]) -> str:
+    return f"the {len(files)} files it matches" if len(files) > 1 else "the file"
 
 
 def read_jsonl(path: str, on_bad_lines: str = "fail") -> list[dict]:
@@ -39,9 +73,7 @@ def read_jsonl(path: str, on_bad_lines: str = "fail") -> list[dict]:
     on_bad_lines=skip is dropped and counted in one warning."""
     if on_bad_lines not in ("fail", "skip"):
         raise ValueError(f"on_bad_lines must be fail or skip, got {on_bad_lines!r}")
-    files = sorted(glob.glob(path)) if "*" in path else [path]
-    if not files:
-        raise FileNotFoundError(f"no files match {path}")
+    files = local_files(path)
     rows, bad = [], []
     for f in files:
         for n, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines(), 1):

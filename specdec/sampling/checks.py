@@ -14,8 +14,10 @@ from specdec.sampling.trees import close_paths
 
 
 def check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, drafter: Drafter | None) -> int:
-    """One-line errors before any work: empty prompts, and a prompt + answer + draft tree beyond the base's
-    context (the KV cache is sized to exactly that). Returns the cache length."""
+    """One-line errors before any work: empty prompts, a prompt + answer + draft tree beyond the base's context (the
+    KV cache is sized to exactly that) or its sliding attention window (the sampler's own mask sees the whole prefix),
+    and sampling from a base whose logits are soft-capped (the sampler's lm_head gives them uncapped; greedy decoding
+    is unaffected: the cap keeps the order). Returns the cache length."""
     if not prompt_ids:
         raise ValueError("no prompts to decode")
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
@@ -27,6 +29,13 @@ def check_inputs(base: Base, prompt_ids: list[list[int]], cfg: SamplerConfig, dr
     if context is not None and need > context:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {cfg.max_new_tokens} + a draft of {nodes} "
                          f"nodes = {need} positions, beyond the base's context of {context}")
+    window = getattr(base.config, "sliding_window", None)
+    if window is not None and getattr(base.config, "use_sliding_window", True) is not False and need > window:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {cfg.max_new_tokens} + a draft of {nodes} "
+                         f"nodes = {need} positions, beyond the base's sliding attention window of {window}")
+    if cfg.temperature > 0 and getattr(base.config, "final_logit_softcapping", None):
+        raise ValueError("sampling (temperature > 0) from a base with final_logit_softcapping is not supported: its "
+                         "logits would be sampled uncapped; decode greedily (temperature=0)")
     return need
 
 
