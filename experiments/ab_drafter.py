@@ -72,7 +72,7 @@ def main() -> None:
     if not args.rev and not args.set:
         ap.error("give --rev and/or --set: what to compare the code as it is now against")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
-               for p in humaneval(limit=args.prompts)]
+               for p in humaneval(limit=args.prompts, split="tune")]  # settings are chosen on the tuning split
     cfg, engine = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma), EngineConfig()
     # name -> (the drafter's class, the sampler settings, the engine)
     variants = {"now": (type(drafter), cfg, build(engine, base.device))}

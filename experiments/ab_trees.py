@@ -41,8 +41,11 @@ def worker(args: argparse.Namespace) -> None:
         run = {"engine": build(device=base.device)}
     except ImportError:
         run = {}
-    prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
-               for p in humaneval(limit=args.prompts)]
+    try:  # settings are chosen on the tuning split (an older tree's humaneval has no splits: the same half by hand)
+        items = humaneval(limit=args.prompts, split="tune")
+    except TypeError:
+        items = humaneval()[82: 82 + args.prompts]
+    prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in items]
     cfg = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup_tokens=args.lookup,
                         **(dict(tree="static", paths=json.loads(args.paths)) if args.paths else {}))
     plain = SamplerConfig(max_new_tokens=args.max_new_tokens)

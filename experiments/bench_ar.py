@@ -176,7 +176,7 @@ def main() -> None:
     cuda = dev.type == "cuda"  # CUDA: graphs vs op by op; CPU: native layers, lean layers, stock kernels
     args.out = args.out or ("experiments/results/bench" if dev.type == "cpu" else "experiments/results/bench_cuda")
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
-               for it in humaneval(args.prompts)]
+               for it in humaneval(args.prompts, split="report")]
     command = (f"OMP_NUM_THREADS={args.threads} .venv/bin/python experiments/bench_ar.py --prompts {args.prompts} "
                f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}"
                + (f" --device {args.device}" if dev.type != "cpu" else ""))

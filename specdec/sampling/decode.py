@@ -28,12 +28,14 @@ __all__ = ["GenerationResult", "SamplerConfig", "generate"]
 def generate(base: Base, prompt_ids: list[list[int]], drafter: Drafter | None = None,
              cfg: SamplerConfig = SamplerConfig(),
              generator: torch.Generator | list[torch.Generator] | None = None,
-             engine: Engine = REFERENCE) -> GenerationResult:
+             engine: Engine = REFERENCE, lookup_counts: list | None = None) -> GenerationResult:
     """Decode every prompt (ragged lengths) with `drafter` (None = plain autoregressive) on `engine` (the reference
     by default: each layer's own HF forward; `specdec.engines.build` makes a fast one). `generator`: one for the batch,
     or one per row (then row b's output equals its output alone, unless n-gram lookup is on: whether a round is a
-    lookup round depends on every row of the batch)."""
-    d = Decode(base, prompt_ids, drafter, cfg, generator, engine)  # checks, and the verify-cost curves it needs
+    lookup round depends on every row of the batch). `lookup_counts`: the statistics lookup rounds are cut by
+    (`lookup.fresh_counts`), learnt from and added to by this decode; None: the process's for this base at T = 0,
+    this decode's own when sampling."""
+    d = Decode(base, prompt_ids, drafter, cfg, generator, engine, lookup_counts)  # checks, and the verify-cost curves it needs
     with engine.installed(base, d.drafters):
         d.prefill()
         while not d.finished():
@@ -80,8 +82,10 @@ class Decode:
     """One call of `generate`: the rows' outputs so far and the state its steps share."""
 
     def __init__(self, base: Base, prompt_ids: list[list[int]], drafter: Drafter | None, cfg: SamplerConfig,
-                 generator: torch.Generator | list[torch.Generator] | None, engine: Engine):
+                 generator: torch.Generator | list[torch.Generator] | None, engine: Engine,
+                 lookup_counts: list | None = None):
         self.base, self.prompt_ids, self.drafter, self.cfg, self.engine = base, prompt_ids, drafter, cfg, engine
+        self.lookup_counts = lookup_counts
         self.drafters = [drafter] if drafter is not None else []
         b = len(prompt_ids)
         self.max_len = check_inputs(base, prompt_ids, cfg, drafter)
@@ -137,7 +141,8 @@ class Decode:
         if self.lookup_cost is not None:
             # the lookup's counts: the process's at T = 0 (a greedy output never depends on them), this decode's own
             # when sampling (a seeded decode's samples then depend on its inputs alone)
-            counts = (shared_counts(base, cfg.lookup_tokens, cfg.lookup_max_ngram) if cfg.temperature == 0
+            counts = (self.lookup_counts if self.lookup_counts is not None
+                      else shared_counts(base, cfg.lookup_tokens, cfg.lookup_max_ngram) if cfg.temperature == 0
                       else fresh_counts(cfg.lookup_tokens, cfg.lookup_max_ngram))
             self.lookup_length = LookupLength(self.lookup_cost, counts)
         self.t_first = wall_clock(dev)

@@ -22,12 +22,17 @@ def base():
     return micro_base()
 
 
-def exact_joint(base) -> torch.Tensor:
-    """P(x1, x2, x3 | prompt) [V, V, V] at T = 1, from one no-cache forward over every continuation."""
+def exact_joint(base, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [V, V, V] (at T = 1, or from each step's distribution after temperature, top-k and
+    top-p, as the sampler processes p), from one no-cache forward over every continuation."""
     v = base.vocab_size
     seqs = torch.cartesian_prod(torch.arange(v), torch.arange(v))  # [V², 2]
     ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
-    logp = base(ids).double().log_softmax(-1)[:, len(PROMPT) - 1 :]  # [V², 3, V]
+    logits = base(ids)[:, len(PROMPT) - 1 :]  # [V², 3, V]
+    if (temperature, top_k, top_p) == (1.0, 0, 1.0):
+        logp = logits.double().log_softmax(-1)
+    else:
+        logp = verify.process_logits(logits, temperature, top_k, top_p).double().log()
     x1, x2 = seqs[:, 0], seqs[:, 1]
     joint = logp[:, 0].gather(1, x1[:, None]) + logp[:, 1].gather(1, x2[:, None]) + logp[:, 2]  # [V², V]
     return joint.exp().view(v, v, v)
@@ -47,7 +52,7 @@ def chi_square_pvalue(tokens: torch.Tensor, joint: torch.Tensor) -> float:
 
 
 def sample_tokens(base, n: int = N, **kw) -> torch.Tensor:
-    cfg = SamplerConfig(max_new_tokens=TOKENS, temperature=1.0, eos_token_id=[], **kw)
+    cfg = SamplerConfig(max_new_tokens=TOKENS, eos_token_id=[], **{"temperature": 1.0} | kw)
     r = generate(base, [PROMPT] * n, Table(base), cfg, torch.Generator().manual_seed(0), engine=auto_engine())
     return r.tokens
 
@@ -58,6 +63,18 @@ SETUPS = {"chain": dict(gamma=2), "tree": dict(tree="static", paths=[[0, 0], [1,
 @pytest.mark.parametrize("setup", SETUPS)
 def test_sampler_matches_target(base, setup):
     assert chi_square_pvalue(sample_tokens(base, **SETUPS[setup]), exact_joint(base)) > 1e-3
+
+
+# a temperature below 1, top-k and top-p together: each cuts the distribution the sampler must reproduce (of the
+# micro base's 6 tokens, top-k keeps 4 and top-p the head of those), applied to p and q alike
+PROCESSED = dict(temperature=0.7, top_k=4, top_p=0.9)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_sampler_matches_target_under_top_k_and_top_p(base, setup):
+    joint = exact_joint(base, **PROCESSED)
+    assert (joint == 0).any()  # the processing really removes tokens the plain T = 1 joint gives mass to
+    assert chi_square_pvalue(sample_tokens(base, **SETUPS[setup], **PROCESSED), joint) > 1e-3
 
 
 @pytest.mark.parametrize("setup", SETUPS)

@@ -21,6 +21,8 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.decode import SamplerConfig, generate
 
 from conftest import auto_engine, prefill_and_verify
+from specdec.engines.config import EngineConfig
+from specdec.engines.cpu.engine import CpuEngine
 
 needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
                                     reason="no C compiler on this machine")
@@ -227,10 +229,11 @@ def test_without_the_layer_kernel_the_lean_layers_run(base, monkeypatch, tmp_pat
         prompts = [list(range(30, 49))]
         cfg = SamplerConfig(max_new_tokens=8, eos_token_id=[])
         stock = generate(base, prompts, None, cfg, engine=auto_engine(name="eager"))
-        with measured_kernels(base, table=KernelTable(None, candidates={"linear": CANDIDATES["linear"]})):
+        plain = KernelTable(None, candidates={"linear": CANDIDATES["linear"]})
+        with measured_kernels(base, table=plain):
             assert all(native_layer.native_of(f) is None for f in lean_layers(base))
-            # (no shortlist: it needs the library this test takes away)
-            fast = auto_engine(greedy_shortlist=False)
+            # the CPU engine on that table, without the shortlist: both need the library this test takes away
+            fast = CpuEngine(EngineConfig(greedy_shortlist=False), table=plain)
             assert generate(base, prompts, None, cfg, engine=fast).tokens.tolist() == stock.tokens.tolist()
     finally:
         native._load.cache_clear()
