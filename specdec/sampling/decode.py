@@ -119,7 +119,8 @@ class Decode:
                               and not (self.drafter is not None and self.drafter.reads_logits))
         self.t_start = wall_clock(dev)
         lens = [len(p) for p in self.prompt_ids]
-        ids = torch.tensor([p + [0] * (max(lens) - len(p)) for p in self.prompt_ids], device=dev)  # [B, P] padded
+        longest = max(lens)
+        ids = torch.tensor([p + [0] * (longest - len(p)) for p in self.prompt_ids], device=dev)  # [B, P] right-padded
         n_prompt = torch.tensor(lens, device=dev)
         ctx.commit_layout(ids.shape[1])
         hidden, feats = ctx.base_forward(ids, self.layers)  # [B, P, H]
