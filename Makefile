@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup upgrade demo test bench distill features features-completions tables clean
+.PHONY: setup upgrade peers demo test bench identity distill features features-completions tables clean
 
 setup: $(STAMP)
 
@@ -34,25 +34,38 @@ upgrade:
 	touch $(STAMP)
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests
 
+# llama.cpp's C++ tools (llama-server, llama-bench, ...) from the llama.cpp inside PyPI's llama-cpp-python sdist, for
+# this CPU without AMX (experiments/peers/build_llama_cpp.sh says why): the peer every speed claim stands beside.
+# About 10-20 min on 2 cores, once; into .peers/. make demo and make bench use it; the tests that need it skip without.
+peers:
+	bash experiments/peers/build_llama_cpp.sh
+
 test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
 # completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
-# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval: the heads drafting a chain of
-# one token (configs/sampler/demo.yaml and configs/engine/demo.yaml: what measured best against our AR loop on a 2-core CPU) alone and with n-gram
-# lookup rounds, lookup alone, our plain AR loop and HF generate, same run; prints the table.
-# Each run: logs/demo/<time>/.
+# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval's reporting split: the heads
+# drafting a chain of one token (configs/sampler/demo.yaml and configs/engine/demo.yaml: what measured best against
+# our AR loop on a 2-core CPU, on the tuning split) alone and with n-gram lookup rounds, lookup alone, our plain AR
+# loop, and llama.cpp on the same GGUF, plain and with its own n-gram speculation; DEMO_PASSES rotations, each
+# answer checked against HF generate in float32 (untimed); prints the table.
+# Each run: logs/demo/<time>/; DEMO_SAVE=<dir> also copies its report.md and results.json there (the committed
+# experiments/results/demo/<cpu>/).
 DEMO_BLOCKS ?= 600
-demo: setup
+DEMO_PASSES ?= 2
+DEMO_PEERS ?= llama_cpp,llama_cpp_lookup
+DEMO_SAVE ?=
+demo: setup $(if $(findstring llama_cpp,$(DEMO_PEERS)),peers)
 	@run=logs/demo/$$(date +%Y-%m-%d_%H-%M-%S); \
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features max_train_blocks=$(DEMO_BLOCKS) \
 	    'data.source.kinds=[complete]' out_dir=$$PWD/$$run/features/cache hydra.run.dir=$$run/features && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) train.py experiment=demo data.path=$$PWD/$$run/features/cache \
 	    hydra.run.dir=$$run/train && \
 	OMP_NUM_THREADS=$(THREADS) $(PY) evaluate.py drafters=[$$run/train/drafter] prompts.limit=10 \
-	    sampler=demo engine=demo sampler.max_new_tokens=128 'peers=[hf_generate]' \
+	    sampler=demo engine=demo sampler.max_new_tokens=128 'peers=[$(DEMO_PEERS)]' passes=$(DEMO_PASSES) \
 	    hydra.run.dir=$$run/eval && \
+	$(if $(DEMO_SAVE),mkdir -p $(DEMO_SAVE) && cp $$run/eval/report.md $$run/eval/results.json $(DEMO_SAVE)/ &&) \
 	sed -n '/^| method/,/^$$/p' $$run/eval/report.md
 
 # The shipped self-distilled text (specdec/data/shipped/): SmolLM2's own greedy answers to stdlib_tasks prompts,
@@ -104,8 +117,22 @@ tables: setup features-completions
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_exits' hydra.run.dir=logs/features/stdlib_complete_exits
 	for t in $(TABLES); do OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
 
-bench: setup
+bench: setup peers
 	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py
+
+# Interop: our speculators-format EAGLE-3 export (specdec/export/eagle3.py) checked by the speculators package's own
+# code, on CPU and offline. Its Eagle3DraftModel.from_pretrained loads the export (verifier: the local base) in its own
+# venv (.interop/, its pins apart from ours); on one HumanEval sequence's base features and tokens its draft logits
+# must match our Eagle3.unroll's (max relative error <= 1e-5, every TTT step) and its greedy draft chain ours, under
+# its default flex attention and sdpa. Writes experiments/results/interop/speculators.md.
+.PHONY: interop
+INTEROP_RUN := .interop/run
+interop: setup
+	bash experiments/interop/setup_speculators.sh
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(THREADS) $(PY) experiments/interop/make_inputs.py --out $(INTEROP_RUN)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(THREADS) .interop/speculators-venv/bin/python \
+	    experiments/interop/check_speculators.py --export $(INTEROP_RUN)/export \
+	    --inputs $(INTEROP_RUN)/inputs.safetensors --report experiments/results/interop/speculators.md
 
 clean:
 	rm -rf .venv outputs logs

@@ -20,13 +20,14 @@ import json
 import platform
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec.base import load_base  # noqa: E402
+from specdec.base import load_base, smollm2_gguf_path  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
 from specdec.engines import EngineConfig, build  # noqa: E402
 from specdec.engines.cpu import (  # noqa: E402
@@ -41,6 +42,7 @@ from specdec.engines.cuda.graphs import pools as graph_pools  # noqa: E402
 from specdec.engines.eager.engine import EagerEngine  # noqa: E402
 from specdec.engines.eager.lean import decode_linears, lean_layers  # noqa: E402
 from specdec.engines.measure import machine_key  # noqa: E402
+from specdec.peers import llama_cpp  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
 from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
 from specdec.sampling.cost import wall_clock as sync
@@ -55,6 +57,15 @@ def run_ours(base, prompt: list[int], max_new: int, **settings) -> tuple[int, fl
     r = generate(base, [prompt], None, SamplerConfig(max_new_tokens=max_new, eos_token_id=[]),
                  engine=build(EngineConfig(**settings), base.device))
     return r.num_generated[0], r.total_s, r.decode_s
+
+
+def llama_cpp_runner(server):
+    """(tokens, total s, decode s) of llama.cpp's server on the same prompt token ids: decode = after its prompt
+    pass, which yields the first token, as ours is counted."""
+    def run(base, prompt: list[int], max_new: int) -> tuple[int, float, float]:
+        c = server.complete(prompt, max_new, ignore_eos=True)
+        return len(c.tokens), c.seconds, max(c.seconds - c.prompt_ms / 1e3, 1e-9)
+    return run
 
 
 def run_hf(base, prompt: list[int], max_new: int) -> tuple[int, float, float]:
@@ -206,12 +217,23 @@ def main() -> None:
 
     runners = {"ours": run_ours, "hf": run_hf}
     runners |= {f"ours_{name}": (lambda kw: lambda *a: run_ours(*a, **kw))(kw) for name, kw in variants.items()}
-    rows = {name: [] for name in runners}
-    for i, p in enumerate(prompts):
-        names = list(runners)
-        k = i % len(names)
-        for name in names[k:] + names[:k]:  # rotate the order: drift on a noisy machine hits all alike
-            rows[name].append(runners[name](base, p, args.max_new_tokens))
+    # llama.cpp on the same GGUF and threads, where `make peers` built it: its server in the same rotation, and
+    # llama-bench's own pp and tg (at the prompts' mean length as depth) for the wrapper check
+    peer = llama_cpp.available() is None and not cuda and base.name == "smollm2_135m"
+    with ExitStack() as stack:
+        if peer:
+            server = stack.enter_context(llama_cpp.LlamaServer(smollm2_gguf_path(), torch.get_num_threads()))
+            runners["llama_cpp"] = llama_cpp_runner(server)
+            runners["llama_cpp"](base, prompts[0], 8)  # warm-up, not timed
+        rows = {name: [] for name in runners}
+        for i, p in enumerate(prompts):
+            names = list(runners)
+            k = i % len(names)
+            for name in names[k:] + names[:k]:  # rotate the order: drift on a noisy machine hits all alike
+                rows[name].append(runners[name](base, p, args.max_new_tokens))
+    depth = round(sum(map(len, prompts)) / len(prompts))
+    llama_bench = llama_cpp.bench(smollm2_gguf_path(), torch.get_num_threads(), prompt=depth,
+                                  tokens=args.max_new_tokens, depth=depth) if peer else None
 
     def stats(r):
         return sum(n / t for n, t, _ in r) / len(r), sum(n for n, _, _ in r) / sum(t for _, t, _ in r)
@@ -221,6 +243,9 @@ def main() -> None:
 
     (ours_mean, ours_pool), (hf_mean, hf_pool) = stats(rows["ours"]), stats(rows["hf"])
     ours_decode, hf_decode = decode_rate(rows["ours"]), decode_rate(rows["hf"])
+
+    def prefill_rate(r):  # mean over prompts of prompt tokens per second of the prompt pass (with its first token)
+        return sum(len(p) / (t - d) for p, (_, t, d) in zip(prompts, r)) / len(r)
 
     ns = list(range(1, args.max_n + 1))
     costs = forward_costs(base, ns, prompt_len=len(prompts[0]), engine=build(EngineConfig(), dev),
@@ -260,6 +285,17 @@ def main() -> None:
         "ar_vs_hf_generate": round(ours_mean / hf_mean, 3),
         "ar_decode_tok_s": round(ours_decode, 2), "hf_generate_decode_tok_s": round(hf_decode, 2),
         "ar_decode_vs_hf_generate": round(ours_decode / hf_decode, 3),
+        "ar_prefill_tok_s": round(prefill_rate(rows["ours"]), 1),
+        **({"llama_cpp": {
+            "tok_s": round(stats(rows["llama_cpp"])[0], 2), "decode_tok_s": round(decode_rate(rows["llama_cpp"]), 2),
+            "prefill_tok_s": round(prefill_rate(rows["llama_cpp"]), 1),
+            "ar_vs_llama_cpp": round(ours_mean / stats(rows["llama_cpp"])[0], 3),
+            "ar_decode_vs_llama_cpp": round(ours_decode / decode_rate(rows["llama_cpp"]), 3),
+            "ar_prefill_vs_llama_cpp": round(prefill_rate(rows["ours"]) / prefill_rate(rows["llama_cpp"]), 3),
+            "llama_bench": llama_bench, "llama_bench_depth": depth,
+            # the server peer's decode against llama-bench's tg at the same depth: within 10 % = not handicapped
+            "server_vs_llama_bench_decode": round(decode_rate(rows["llama_cpp"]) / llama_bench["decode"], 3),
+            "build": llama_cpp.build_flags()}} if peer else {}),
         "t1_ms": round(costs[1] * 1e3, 2),
         **{f"t1_{name}_ms": round(c[1] * 1e3, 2) for name, c in variant_costs.items()},
         "verify_cost": {n: round(v, 3) for n, v in curve.items()},
@@ -374,7 +410,7 @@ def render(r: dict) -> str:
              *[f"| AR, our sampler, {label} | {r[f'ar_{name}_tok_s']:.1f} | "
                f"{r[f'ar_{name}_tok_s'] / r['hf_generate_tok_s']:.2f}× |"
                for name, label in VARIANTS.items() if f"ar_{name}_tok_s" in r],
-             f"| AR, HF generate | {r['hf_generate_tok_s']:.1f} | 1.00× |", "",
+             f"| AR, HF generate | {r['hf_generate_tok_s']:.1f} | 1.00× |", "", *llama_cpp_lines(r),
              f"Bandwidth bound: {r['read_bandwidth_gb_s']:.1f} GB/s streaming read / {r['weight_bytes'] / 1e6:.0f} MB of "
              f"weights per step = {r['bandwidth_bound_tok_s']:.1f} tok/s; our AR reaches {r['ar_share_of_bound']:.0%} of it "
              f"end to end and {r['ar_decode_share_of_bound']:.0%} in decode (the bound is per decode step; the prefill "
@@ -450,6 +486,28 @@ def render(r: dict) -> str:
                 if r.get("native_built") else "not built on this machine (no compiler): a candidate fewer."), "",
              *native_layer_lines(r)]
     return "\n".join(lines)
+
+
+def llama_cpp_lines(r: dict) -> list[str]:
+    """Ours beside llama.cpp on the same GGUF and threads (where the run had it)."""
+    lc = r.get("llama_cpp")
+    if not lc:
+        return ["llama.cpp: not in this run (`make peers` builds it).", ""]
+    b = lc["llama_bench"]
+    return [f"Beside llama.cpp on the same GGUF, {r['threads']} threads (llama-server from `make peers`, in the same "
+            "rotation; `llama-bench` alone after it, at the prompts' mean length of "
+            f"{lc['llama_bench_depth']} tokens):", "",
+            "| | ours | llama.cpp server | ours ÷ llama.cpp | llama-bench |", "|---|---|---|---|---|",
+            f"| tok/s, end to end | {r['ar_tok_s']:.1f} | {lc['tok_s']:.1f} | {lc['ar_vs_llama_cpp']:.2f}× | |",
+            f"| decode tok/s | {r['ar_decode_tok_s']:.1f} | {lc['decode_tok_s']:.1f} | "
+            f"{lc['ar_decode_vs_llama_cpp']:.2f}× | tg{r['max_new_tokens']} @ d{lc['llama_bench_depth']}: "
+            f"{b['decode']:.1f} |",
+            f"| prefill tok/s | {r['ar_prefill_tok_s']:.0f} | {lc['prefill_tok_s']:.0f} | "
+            f"{lc['ar_prefill_vs_llama_cpp']:.2f}× | pp{lc['llama_bench_depth']}: {b['prefill']:.0f} |", "",
+            f"The server's decode is {lc['server_vs_llama_bench_decode']:.0%} of llama-bench's tg (the peer is not "
+            "handicapped by its wrapper where this is within 10 % of 100 %). llama.cpp's tokens are not the base's "
+            "float32 greedy tokens: it rounds activations to 8 bits before its products (experiments/identity.py "
+            f"counts the difference). Built with: {lc['build']}.", ""]
 
 
 def native_layer_lines(r: dict) -> list[str]:

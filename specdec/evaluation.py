@@ -1,4 +1,4 @@
-"""Evaluate drafters against plain decoding and HF peers on the same base, prompts and machine, in one run:
+"""Evaluate drafters against plain decoding and peers (HF generate, llama.cpp) on the same base, prompts and machine, in one run:
 a Spec-Bench-style table (markdown, CSV, JSON), plots, and wandb logging (docs/sampler.md §4, §5, §7)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import platform
 import re
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -20,13 +21,16 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from specdec.base import Base
-from specdec.checkpoint import load_drafter, read_meta, write_json, write_text
+from specdec.base import SMOLLM2, Base, smollm2_gguf_path
+from specdec.checkpoint import write_json, write_text
 from specdec.data.prompts import render_chat
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.engines import EngineConfig, build
 from specdec.engines.measure import cpu_model
+from specdec.checkpoint import load_drafter as load_drafter_dir
+from specdec.checkpoint import read_meta as describe
+from specdec.peers import llama_cpp
 from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.engine import Engine
@@ -36,6 +40,8 @@ from specdec.sampling.metrics import prompt_metrics, token_acceptance
 AR = "ar (ours)"
 LOOKUP = "lookup (ours)"  # n-gram lookup alone, no drafter
 HF_PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
+LLAMA_CPP_PEERS = ("llama_cpp", "llama_cpp_lookup", "llama_cpp_draft")
+PLAIN = (AR, "llama_cpp", "hf_generate")  # the plain decoders: "vs best AR" divides by the fastest of them in the run
 
 
 @dataclass
@@ -50,6 +56,8 @@ class Run:
     t_draft_s: float = 0.0  # summed over rounds
     t_verify_s: float = 0.0
     rounds: int = 0
+    peer_drafted: int = 0  # a peer's own speculation, per answer (llama.cpp reports no rounds)
+    peer_accepted: int = 0
 
 
 @dataclass
@@ -59,7 +67,8 @@ class Method:
     lossless: bool
     chain_gamma: int | None = None  # set for chain drafters: the Leviathan check applies
     batch: int = 1
-    peer: bool = False  # an HF peer: takes its turn after ours (see _take_turns)
+    peer: bool = False  # a peer (HF, llama.cpp): takes its turn after ours (see _take_turns)
+    computes: str | None = None  # a peer that computes another model than the reference's: what it is
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -72,9 +81,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     # Checkpoint metadata first: a drafter from another base fails here, before the base is even loaded.
     paths = drafter_names(list(cfg.drafters or []))
-    metas = {name: read_meta(p) for name, p in paths.items()}
+    metas = {name: describe(p) for name, p in paths.items()}
     base: Base = hydra.utils.instantiate(cfg.base)
-    drafters = {name: load_drafter(p, base) for name, p in paths.items()}
+    drafters = {name: load_drafter_dir(p, base) for name, p in paths.items()}
     for model in cfg.get("draft_models") or []:  # pretrained HF draft models (evaluate-only), tokenizer checked
         drafters[_unique(f"draft_model:{Path(model).name}", drafters)] = DraftModel(base, model=str(model))
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
@@ -85,7 +94,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"passes must be >= 1, got {passes}")
     # every method answers every prompt once a pass; the passes take turns as the prompts do (_take_turns)
     items = [dict(it, passed=p) for p in range(passes) for it in prompts]
-    methods = _methods(cfg, base, drafters, sampler, engine)
+    with ExitStack() as servers:  # llama.cpp peers' server processes, stopped however the evaluation ends
+        methods = _methods(cfg, base, drafters, sampler, engine, servers)
+        return _run(cfg, out_dir, config, base, metas, sampler, engine, prompts, passes, items, methods)
+
+
+def _run(cfg, out_dir, config, base, metas, sampler, engine, prompts, passes, items, methods) -> dict[str, Any]:
 
     # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
     # dir reads them back and runs only what is missing.
@@ -132,7 +146,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 # -- methods ---------------------------------------------------------------------------------------
 def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler: SamplerConfig,
-             engine: Engine) -> list[Method]:
+             engine: Engine, servers: ExitStack) -> list[Method]:
     ar_cfg = replace(sampler, tree="chain", lookup_tokens=0)
     methods = [Method(AR, _ours(base, None, ar_cfg, cfg.seed, engine), True, batch=cfg.batch_size)]
     # With n-gram lookup on (sampler.lookup_tokens), each drafter runs with and without it, and lookup alone is a
@@ -153,8 +167,11 @@ def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler:
         "hf_early_exit": {"assistant_early_exit": cfg.hf.early_exit_layer, "num_assistant_tokens": cfg.hf.num_assistant_tokens},
     }
     for peer in cfg.peers:
+        if peer in LLAMA_CPP_PEERS:
+            methods.append(_llama_cpp_method(cfg, base, sampler, peer, servers))
+            continue
         if peer not in HF_PEERS:
-            raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS)}")
+            raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS + LLAMA_CPP_PEERS)}")
         extra = _assistant(drafters, cfg.hf.get("assisted_tokens")) if peer == "hf_assisted" else hf[peer]
         methods.append(Method(peer, _hf(base, sampler, extra), True, peer=True))
     return methods
@@ -208,6 +225,41 @@ def _hf(base: Base, sampler: SamplerConfig, extra: dict) -> Callable:
         return out
 
     return run
+
+
+def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer: str, servers: ExitStack) -> Method:
+    """A llama.cpp peer: its server on the base's GGUF (the embedded base's own file unless llama_cpp.gguf names
+    one), our threads, plain (`llama_cpp`), with its n-gram speculation (`llama_cpp_lookup`) or with a GGUF draft
+    model (`llama_cpp_draft`). Started here, outside every timing; `servers` stops it."""
+    lc = cfg.llama_cpp
+    gguf = lc.gguf or (smollm2_gguf_path() if base.name == SMOLLM2 else None)
+    if gguf is None:
+        raise ValueError(f"peer {peer} needs the base as a GGUF file: llama_cpp.gguf=<file> (convert it with llama.cpp's "
+                         f"convert_hf_to_gguf.py, in .peers/llama.cpp after `make peers`)")
+    args = list(lc.args)
+    if peer == "llama_cpp_lookup":
+        args += list(lc.lookup_args)
+    elif peer == "llama_cpp_draft":
+        if not lc.draft_gguf:
+            raise ValueError("peer llama_cpp_draft needs a draft model GGUF: llama_cpp.draft_gguf=<file> "
+                             "(python -m specdec.export <draft_model dir> --to gguf)")
+        args += ["-md", str(lc.draft_gguf), *lc.draft_args]
+    server = servers.enter_context(llama_cpp.LlamaServer(gguf, torch.get_num_threads(), args, ctx=lc.ctx))
+    eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
+
+    def run(prompts: list[list[int]]) -> list[Run]:
+        out = []
+        for i, p in enumerate(prompts):
+            c = server.complete(p, sampler.max_new_tokens, sampler.temperature, sampler.top_p, sampler.top_k,
+                                seed=cfg.seed + i)
+            # llama.cpp's speculation reports what it drafted and accepted per answer, not per round
+            out.append(Run(_cut_at_eos(c.tokens, eos), c.seconds, ttft_s=c.prompt_ms / 1e3,
+                           peer_drafted=c.drafted, peer_accepted=c.accepted))
+        return out
+
+    # Its greedy tokens are its own model's: weights in Q4_1 as ours, but activations rounded to 8 bits before every
+    # product (ggml's q8_1 dot products), so they part from float32's where two logits are near.
+    return Method(peer, run, True, peer=True, computes="llama.cpp's own: 8-bit activations")
 
 
 def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict[str, list[list[Run]]],
@@ -298,6 +350,8 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
     by_pass = [[i for i, it in enumerate(items) if it.get("passed", 0) == p] for p in range(passes)]
     ar_mean = mean_tok_s(AR, everyone)
     hf_mean = mean_tok_s("hf_generate", everyone) if "hf_generate" in runs else float("nan")
+    # the fastest plain decoder in the run (ours, llama.cpp's, HF's): no speedup rests on a slow baseline
+    best_ar = max((n for n in PLAIN if n in runs), key=lambda n: mean_tok_s(n, everyone))
 
     def per_pass(method: str, baseline: str) -> list[float]:  # the speedup in each pass: a ratio within one pass
         if baseline not in runs:
@@ -316,13 +370,16 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
                                      sum(len(r.tokens) for r in p), sum(r.seconds for r in p),
                                      sum(r.seconds for r in p)) for p in runs[m.name]] if ours else []
         mean = mean_tok_s(m.name, everyone)
-        identical = None  # n/a: no reference ran
+        identical, same_prompts = None, None  # n/a: no reference ran
         if reference is not None and m.name == reference["source"]:
             identical = True  # (its own answers: the report marks the row as the reference)
         elif reference is not None:
             want = reference["tokens"]
-            identical = all(r.tokens == w for i, p in enumerate(runs[m.name]) for r, w in zip(p, want[i % len(want)]))
+            same = [all(r.tokens == w for r, w in zip(p, want[i % len(want)])) for i, p in enumerate(runs[m.name])]
+            identical, same_prompts = all(same), sum(same)
         alpha = sum(accepted) / sum(drafted) if sum(drafted) else float("nan")
+        if not drafted and sum(r.peer_drafted for r in flat):  # a peer's own speculation (llama.cpp's)
+            alpha = sum(r.peer_accepted for r in flat) / sum(r.peer_drafted for r in flat)
         depth = max(accepted, default=0)
         reach = [sum(a >= i for a in accepted) for i in range(depth + 1)]
         row = {
@@ -335,6 +392,8 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             "pooled_tok_per_s": tok_s(flat),
             "speedup_vs_ar": mean / ar_mean,
             "speedup_vs_hf": mean / hf_mean,
+            "speedup_vs_best_ar": mean / mean_tok_s(best_ar, everyone),
+            "speedup_vs_best_ar_sd": spread(per_pass(m.name, best_ar)),
             # over passes: each pass's ratio, their mean and standard deviation (nan for one pass)
             "speedup_vs_ar_passes": per_pass(m.name, AR),
             "speedup_vs_ar_sd": spread(per_pass(m.name, AR)),
@@ -342,6 +401,8 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             "per_prompt_speedup_vs_ar": [tok_s(runs[m.name][i]) / tok_s(runs[AR][i]) for i in everyone],
             "pooled_speedup_vs_ar": tok_s(flat) / tok_s([r for p in ar_runs for r in p]),
             "greedy_identical": identical,
+            "identical_prompts": same_prompts,  # of len(items): answers (every turn) equal to the reference's
+            "computes": m.computes,  # a peer of another computation: its identity is measured, not expected
             "is_reference": reference is not None and m.name == reference["source"],
             "alpha_i": [reach[i] / reach[i - 1] for i in range(1, depth + 1)],
             "accept_hist": {str(k): sum(a == k for a in accepted) for k in range(depth + 1)},
@@ -390,6 +451,7 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
         "draft": _draft_desc(sampler), "max_new_tokens": sampler.max_new_tokens,
         "prompts": f"{len(items) // passes} ({', '.join(categories)})" + (f" × {passes} passes" if passes > 1 else ""),
         "identity_reference": reference["source"] if reference is not None else "none (n/a)",
+        "best_ar": best_ar,
         "platform": platform.platform(),
         "drafters": {n: m.get("base_name") for n, m in metas.items()},
     }
@@ -401,16 +463,18 @@ def render_markdown(report: dict, config_yaml: str) -> str:
     lines = ["# specdec evaluation", "", "```yaml", config_yaml.rstrip(), "```", ""]
     lines += [f"- **{k}**: {v}" for k, v in h.items() if k != "drafters"]
     cat_cols = [f"{c} ×AR" for c in cats] if len(cats) > 1 else []
-    lines += ["", "| method | lossless | τ | draft len | α | tok/s | speedup vs AR (ours) | speedup vs HF generate | "
-              "greedy-identical |" + "".join(f" {c} |" for c in cat_cols),
-              "|---" * (9 + len(cat_cols)) + "|"]
+    best = h.get("best_ar", AR)
+    hf = any(r["method"] == "hf_generate" for r in report["rows"])  # its column only where it ran
+    lines += ["", f"| method | lossless | τ | draft len | α | tok/s | speedup vs AR (ours) | speedup vs best AR ({best}) "
+              + ("| speedup vs HF generate " if hf else "") + "| greedy-identical |" + "".join(f" {c} |" for c in cat_cols),
+              "|---" * (9 + hf + len(cat_cols)) + "|"]
     for r in report["rows"]:
         cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r.get("draft_len")),
                  _f(r["alpha"]),
                  _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×" + _pm(r.get("speedup_vs_ar_sd")),
-                 _f(r["speedup_vs_hf"]) + "×" + _pm(r.get("speedup_vs_hf_sd")),
-                 "(reference)" if r.get("is_reference") else
-                 {None: "n/a", True: "yes", False: "**NO**"}[r["greedy_identical"]]]
+                 _f(r.get("speedup_vs_best_ar", r["speedup_vs_ar"])) + "×" + _pm(r.get("speedup_vs_best_ar_sd"))]
+        cells += [_f(r["speedup_vs_hf"]) + "×" + _pm(r.get("speedup_vs_hf_sd"))] if hf else []
+        cells += [_identity_cell(r)]
         if cat_cols:
             cells += [_f(r["per_category_speedup"][c]) + "×" for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
@@ -440,8 +504,10 @@ def render_markdown(report: dict, config_yaml: str) -> str:
     lines += ["", "τ: mean emitted tokens per base forward (bonus included); draft len: mean draft tokens verified "
               "per round (γ, less with an adaptive draft length); α: accepted / drafted tokens; "
               "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run (± the standard deviation "
-              "of that ratio over passes); greedy-identical: every answer equals the reference greedy decode's "
-              "(identity_reference). HF peers report no τ/α."]
+              "of that ratio over passes); best AR: the fastest plain decoder in the run; greedy-identical: every "
+              "answer equals the reference greedy decode's (identity_reference), else how many prompts do; a peer "
+              "that computes another model (llama.cpp: 8-bit activations) is not expected to. Peers report no τ "
+              "(llama.cpp's speculation its α)."]
     return "\n".join(lines) + "\n"
 
 
@@ -452,7 +518,7 @@ def _write(out_dir: Path, cfg: DictConfig, report: dict, methods: list[Method]) 
     write_text(out_dir / "report.md", md)
     write_text(out_dir / "results.json", json.dumps(report, indent=2, default=str))
     cols = ["method", "lossless", "tau", "draft_len", "alpha", "tok_per_s", "pooled_tok_per_s", "speedup_vs_ar",
-            "speedup_vs_hf", "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
+            "speedup_vs_best_ar", "speedup_vs_hf", "pooled_speedup_vs_ar", "greedy_identical", "ttft_s", "tokens"]
     cat_cols = [f"speedup_vs_ar/{c}" for c in report["categories"]]
     csv = [",".join(cols + cat_cols)]
     for r in report["rows"]:
@@ -507,7 +573,8 @@ def _log_wandb(cfg: DictConfig, report: dict, md: str, plots: list[Path]) -> Non
         wandb.init(project=cfg.wandb.project, group=cfg.wandb.group, tags=list(cfg.tags), mode=cfg.wandb.mode,
                    dir=str(cfg.paths.output_dir), job_type="evaluate",
                    config=OmegaConf.to_container(cfg, resolve=True))
-        cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "speedup_vs_ar", "speedup_vs_hf", "greedy_identical"]
+        cols = ["method", "lossless", "tau", "alpha", "tok_per_s", "speedup_vs_ar", "speedup_vs_best_ar", "speedup_vs_hf",
+                "greedy_identical"]
         table = wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in report["rows"]])
         pos = wandb.Table(columns=["method", "position", "alpha_i"],
                           data=[[r["method"], i + 1, a] for r in report["rows"] for i, a in enumerate(r["alpha_i"])])
@@ -536,7 +603,9 @@ def drafter_names(paths: list[str]) -> dict[str, str]:
     """Method names from the drafter classes (medusa, prophet, ...), numbered when a class repeats."""
     names: dict[str, str] = {}
     for p in paths:
-        names[_unique(read_meta(p)["target"].rsplit(".", 1)[-1].lower(), names)] = p
+        meta = describe(p)
+        name = meta["target"].rsplit(".", 1)[-1].lower() + (f" ({meta['format']})" if "format" in meta else "")
+        names[_unique(name, names)] = p
     return names
 
 
@@ -622,6 +691,17 @@ def _draft_desc(s: SamplerConfig) -> str:
         desc += (f"; +lookup rows: n-gram lookup ({s.lookup_min_ngram}-{s.lookup_max_ngram}-grams, up to "
                  f"{s.lookup_tokens} tokens) takes the rounds it matches")
     return desc
+
+
+def _identity_cell(r: dict) -> str:
+    if r.get("is_reference"):
+        return "(reference)"
+    if r["greedy_identical"] is None:
+        return "n/a"
+    n, of = r["identical_prompts"], len(r["per_prompt_speedup_vs_ar"])  # (each prompt once a pass)
+    if r.get("computes"):  # measured, but not a claim: the peer runs another computation
+        return f"{'yes' if r['greedy_identical'] else 'no'}: {r['computes']} ({n}/{of} answers)"
+    return "yes" if r["greedy_identical"] else f"**NO** ({n}/{of} answers)"
 
 
 def _pm(sd: float | None) -> str:
