@@ -28,8 +28,8 @@ from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.engines import EngineConfig, build
 from specdec.engines.measure import cpu_model
-from specdec.checkpoint import load_drafter as load_drafter_dir
-from specdec.checkpoint import read_meta as describe
+from specdec.export import describe, gguf
+from specdec.export import load as load_drafter_dir
 from specdec.peers import llama_cpp
 from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
 from specdec.sampling.decode import SamplerConfig, generate
@@ -83,6 +83,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     paths = drafter_names(list(cfg.drafters or []))
     metas = {name: describe(p) for name, p in paths.items()}
     base: Base = hydra.utils.instantiate(cfg.base)
+    # a specdec checkpoint, or a drafter exported or trained elsewhere in a serving format (specdec.export)
     drafters = {name: load_drafter_dir(p, base) for name, p in paths.items()}
     for model in cfg.get("draft_models") or []:  # pretrained HF draft models (evaluate-only), tokenizer checked
         drafters[_unique(f"draft_model:{Path(model).name}", drafters)] = DraftModel(base, model=str(model))
@@ -241,9 +242,9 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
         args += list(lc.lookup_args)
     elif peer == "llama_cpp_draft":
         if not lc.draft_gguf:
-            raise ValueError("peer llama_cpp_draft needs a draft model GGUF: llama_cpp.draft_gguf=<file> "
-                             "(python -m specdec.export <draft_model dir> --to gguf)")
-        args += ["-md", str(lc.draft_gguf), *lc.draft_args]
+            raise ValueError("peer llama_cpp_draft needs a drafter as GGUF: llama_cpp.draft_gguf=<file or export dir> "
+                             "(python -m specdec.export <draft_model or eagle3 dir> --to gguf --out <dir>)")
+        args += [*gguf.server_args(lc.draft_gguf), *lc.draft_args]  # (an EAGLE-3 file: its speculation type)
     server = servers.enter_context(llama_cpp.LlamaServer(gguf, torch.get_num_threads(), args, ctx=lc.ctx))
     eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 # table -> rows its smoke variant must produce
 TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
-          "self_speculative": 6, "draft_model": 3}
+          "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2}
 FAILED_JOB = ("leviathan", "train:module.optimizer.lr=-1")  # every training job fails: AdamW refuses lr < 0
 
 
@@ -47,7 +47,10 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, tuple[Future, object]]:
     pool.shutdown(cancel_futures=True)
 
 
-@pytest.mark.parametrize("table", TABLES)
+LONG = {"drafters", "medusa_heads"}  # their smoke runs take 40-45 s here: make test-long
+
+
+@pytest.mark.parametrize("table", [pytest.param(t, marks=pytest.mark.long) if t in LONG else t for t in TABLES])
 def test_table_smoke(table, smoke_runs):
     future, tmp_path = smoke_runs[table]
     proc = future.result()

@@ -46,6 +46,7 @@ def test_server_decodes_our_token_ids_greedily_and_repeatably():
 
 
 @needs_build
+@pytest.mark.long
 def test_llama_cpp_rows_stand_beside_ours_in_one_evaluation(tmp_path):
     cfg = _cfg(tmp_path, ["prompts.limit=2", "sampler.max_new_tokens=24", "sampler.lookup_tokens=4",
                           "peers=[llama_cpp,llama_cpp_lookup]", "identity_reference=true"])
@@ -60,3 +61,31 @@ def test_llama_cpp_rows_stand_beside_ours_in_one_evaluation(tmp_path):
     assert rows["ar (ours)"]["greedy_identical"]  # ours against the float32 reference, not against itself
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "speedup vs best AR" in md and "llama.cpp's own: 8-bit activations" in md
+
+
+@needs_build
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["draft_model", "eagle3"])
+def test_our_drafters_run_as_llama_cpp_draft_models(tmp_path, family):
+    """Exported to GGUF by llama.cpp's own converter, a draft model (`--model-draft`) and an EAGLE-3 drafter
+    (`--spec-type draft-eagle3`) draft inside llama.cpp's server on the embedded base's GGUF."""
+    import torch
+
+    from specdec.base import load_base
+    from specdec.drafters.draft_model import DraftModel
+    from specdec.drafters.eagle3 import Eagle3
+    from specdec.export import export, gguf
+
+    base = load_base(device="cpu")
+    if family == "draft_model":
+        d = DraftModel(base, num_layers=2)  # the base's first and last layers: it drafts plausible tokens
+    else:
+        d = Eagle3(base, ttt_steps=2, draft_vocab_size=4096)
+        d.set_draft_vocab(torch.arange(4096))
+    out = export(d, "gguf", tmp_path / family)
+    assert (out / gguf.FILE).stat().st_size > 1e6
+    prompt = base.tokenizer(base.tokenizer.apply_chat_template([{"role": "user", "content": "Count to ten."}],
+                                                               tokenize=False, add_generation_prompt=True))["input_ids"]
+    with llama_cpp.LlamaServer(smollm2_gguf_path(), threads=2, args=gguf.server_args(out)) as server:
+        c = server.complete(prompt, 24)
+    assert len(c.tokens) > 0 and c.drafted > 0

@@ -243,8 +243,11 @@ def _llama_shaped(layer: nn.Module) -> bool:
 def _build(layer: nn.Module) -> LeanLayer | None:
     if not _llama_shaped(layer):
         return None
-    fast = LeanLayer(layer)
-    return fast if _agrees(layer, fast) else None
+    try:
+        fast = LeanLayer(layer)
+        return fast if _agrees(layer, fast) else None
+    except RuntimeError:  # Llama-named parts that Llama's math cannot even run (EAGLE-3's layer: q/k/v read 2H)
+        return None
 
 
 def _agrees(layer: nn.Module, fast: LeanLayer, n: int = 3) -> bool:

@@ -1,0 +1,198 @@
+"""EAGLE-3 (Li et al. 2025), as the serving engines load it: one decoder layer over the fusion of three base layers,
+a reduced draft vocabulary, trained by training-time test (TTT) with no feature loss.
+
+- Real entry for base position t: g_t = fc([a^{low}_t; a^{mid}_t; a^{high}_t]) (3H -> H, no bias), a^l the input of
+  base layer l (HF hidden_states[l]; layers 2, L//2 and L-3 by default, as EAGLE, vLLM, speculators and llama.cpp take
+  them), paired with the embedding of x_{t+1}.
+- The layer: residual g; attention over cat(input_layernorm(emb(x)), hidden_norm(g)) (q, k, v read 2H); then g' =
+  g + attn, out = g' + mlp(post_attention_layernorm(g')). `out` (before any norm) is the next step's g; the logits are
+  lm_head(norm(out)) over the draft vocab (its d2t / t2d maps are the DraftVocab's tokens).
+- TTT: k unrolled steps; step j at t reads its own step j-1 output at t with the token x_{t+j+1} (the data's, teacher
+  forced), attends to the real entries ≤ t and to its chain's earlier steps (one key per step: the diagonal), and is
+  scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's head_decay).
+
+Layout (the prophet's, shared with the sampler): slot s holds the entry (g_{s-1}, x_s) at rotary position s-1; slot 0
+is a "sink" entry with a zero feature, (0, x_0), which training carries too so that both see the same keys. The token
+embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from specdec.base import Base, Features, cache_arg
+from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+
+STORE = "eagle3"  # the drafter-private KV store in the sampler's DraftContext
+POSITION_OFFSET = -1  # slot s holds the entry of position s-1
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers: the inputs of layers 2, L//2 and L-3 (SmolLM2-135M: 2, 15, 27), each
+    kept inside (0, L) for a base of fewer than six layers (a tiny test model)."""
+    return sorted(min(max(l, 1), num_layers - 1) for l in (2, num_layers // 2, num_layers - 3))
+
+
+class Eagle3Layer(nn.Module):
+    """One EAGLE-3 decoder layer, assembled from the base's own decoder-layer modules (attention, MLP, norms) with
+    q/k/v widened to read 2H. Its forward takes x = cat(emb(x), g) [B, n, 2H] raw: how the layer normalises each half
+    and which half is the residual is its own, so the sampler's `run_layers` can run it like any layer."""
+
+    def __init__(self, base: Base, layer_idx: int = 0):
+        super().__init__()
+        config, h = base.config, base.hidden_size
+        layer = type(base.layers[0])(config, layer_idx=layer_idx)
+        self.self_attn, self.mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.input_layernorm = type(base.norm)(h, eps=config.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = type(base.norm)(h, eps=config.rms_norm_eps)  # on the feature g
+        self.post_attention_layernorm = type(base.norm)(h, eps=config.rms_norm_eps)
+        self.hidden_size = h
+
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None, position_embeddings=None,
+                cache=None, past_key_values=None, use_cache: bool = True, **_: Any) -> torch.Tensor:
+        emb, g = x[..., : self.hidden_size], x[..., self.hidden_size:]  # [B, n, H] each
+        a = torch.cat([self.input_layernorm(emb), self.hidden_norm(g)], dim=-1)  # [B, n, 2H]
+        attn = self.self_attn(hidden_states=a, attention_mask=attention_mask, position_ids=position_ids,
+                              position_embeddings=position_embeddings,
+                              **cache_arg(self.self_attn, cache if cache is not None else past_key_values))
+        g = g + (attn[0] if isinstance(attn, tuple) else attn)
+        return g + self.mlp(self.post_attention_layernorm(g))  # [B, n, H], before the final norm
+
+
+class Eagle3(Drafter):
+    graph_draft = True
+
+    def __init__(self, base: Base, ttt_steps: int = 7, draft_vocab_size: int | None = 32000,
+                 aux_layers: list[int] | None = None):
+        aux_layers = [int(l) for l in aux_layers] if aux_layers else default_aux_layers(base.num_layers)
+        draft_vocab_size = min(draft_vocab_size or base.vocab_size, base.vocab_size)
+        super().__init__(base, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, aux_layers=aux_layers)
+        if len(aux_layers) != 3 or any(not 0 < l < base.num_layers for l in aux_layers):
+            raise ValueError(f"eagle3 fuses three inner base layers in (0, {base.num_layers}), got {aux_layers}")
+        h = base.hidden_size
+        self.aux_layers = aux_layers
+        self.feature_layers = tuple(aux_layers)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(base)])
+        self.norm = type(base.norm)(h, eps=base.config.rms_norm_eps)
+        self.draft_vocab = DraftVocab(base, draft_vocab_size)
+        self.lm_head = copy_lm_head(base, draft_vocab_size)  # rows set from the base's with the vocab (set_draft_vocab)
+        self.norm.weight.data.copy_(base.norm.weight.detach())
+        self.to(device=base.device, dtype=base.dtype)
+        self.ttt_steps = ttt_steps
+        self.target_offsets = list(range(1, ttt_steps + 1))
+        self.head_names = [f"step{j}" for j in range(1, ttt_steps + 1)]
+        self.max_depth = None
+
+    # -- pieces shared by training and sampling ----------------------------------------------------------------
+    def real_feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The base's hidden states {layer: [..., H]} -> g [..., H], fc over the three layers, low to high."""
+        return self.fc(torch.cat([hidden[l] for l in self.aux_layers], dim=-1))
+
+    def step_input(self, g: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """g [..., H] of position t (real or the layer's own output) and emb(x_{t+1}) [..., H] -> [..., 2H]."""
+        return torch.cat([token_emb, g], dim=-1)
+
+    def vocab_heads(self) -> list[nn.Linear]:
+        return [self.lm_head]
+
+    def readout(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output [..., H] -> draft logits [..., V_d]."""
+        return self.lm_head(self.norm(out))
+
+    def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """The layer over x [B, n, 2H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
+        rope = self.base.rotary_emb(x[..., : self.fc.out_features], pos[None])
+        for layer in self.layers:
+            x = layer(x, attention_mask=mask[None, None], position_ids=pos[None], position_embeddings=rope,
+                      cache=cache)
+        return x
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
+        return TrainOutput(logits=self.unroll(self.real_feature(feats.hidden), input_ids, self.ttt_steps))
+
+    def unroll(self, g: torch.Tensor, input_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """Training-time test: g [B, T, H] real features, input_ids [B, T] -> logits [B, T, steps, V_d] (step j at t
+        predicts x_{t+j+2}), every step after the first on the layer's own previous output."""
+        b, t, hs = g.shape
+        dev = g.device
+        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
+        padded = torch.cat([emb, emb.new_zeros(b, steps + 1, hs)], dim=1)  # emb(x_{t+k}), zero past the end
+
+        def ahead(k: int) -> torch.Tensor:
+            return padded[:, k : k + t]  # [B, T, H]
+
+        # step 0 over [sink, (g_0, x_1), …, (g_{T-1}, x_T)] at positions -1..T-1, causal
+        x0 = self.step_input(torch.cat([g.new_zeros(b, 1, hs), g], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
+        neg = torch.finfo(x0.dtype).min
+        causal = torch.ones(t + 1, t + 1, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(t + 1, t + 1, dtype=x0.dtype, device=dev).masked_fill_(~causal, neg)
+        cache = DynamicCache()  # step 0's keys, then each later step's, in that order
+        out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H]
+        logits = [self.readout(out)]
+        # a chain-t query at step j sees step 0's slots 0..t+1 (the sink and the real entries ≤ t) and its own
+        # chain's key in each of the steps 1..j
+        real = torch.ones(t, t + 1, dtype=torch.bool, device=dev).tril(diagonal=1)  # [T, T+1]
+        own = torch.eye(t, dtype=torch.bool, device=dev)  # [T, T]
+        for j in range(1, steps):
+            allowed = torch.cat([real] + [own] * j, dim=1)  # [T, T+1 + j·T]
+            mask = torch.zeros(allowed.shape, dtype=x0.dtype, device=dev).masked_fill_(~allowed, neg)
+            out = self._run(self.step_input(out, ahead(j + 1)), torch.arange(j, t + j, device=dev), mask, cache)
+            logits.append(self.readout(out))
+        return torch.stack(logits, dim=2)
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
+        g = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
+        # g: newest committed real feature per row (zero before the prompt: the sink); root: the root entry's layer
+        # output (set by observe); outs: the round's layer output per node (each child's g)
+        return {"g": g, "root": None, "outs": NodeTable()}
+
+    def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
+        g = self.real_feature(feats.hidden)  # [B, n, H]
+        b, n, _ = g.shape
+        rows = torch.arange(b, device=g.device) if b > 1 else None
+        # slot s gets (g_{s-1}, x_s); one entry more, at index n_new of each row, is the next round's root entry
+        # (g_t, x_{t+1}) with x_{t+1} = next_token, run in the same pass (the prophet's layout)
+        prev = torch.cat([state["g"][:, None], g], dim=1)  # [B, n+1, H]
+        toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
+        if rows is not None:
+            toks[rows, n_new] = next_token
+        ctx.commit_layout(n + 1)
+        out = ctx.run_layers(self.layers, self.step_input(prev, self.base.embed_tokens(toks)), STORE, POSITION_OFFSET)
+        if rows is None:
+            state["g"], state["root"] = g[:, -1], out[:, -1:]
+        else:
+            state["g"] = g[rows, n_new - 1]  # [B, H]
+            state["root"] = out[rows, n_new][:, None]  # [B, 1, H]
+        state["outs"] = NodeTable()
+
+    def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+               nodes: torch.Tensor) -> torch.Tensor:
+        if depth == 0:
+            out = state["root"]  # [B, 1, H]: run (and its slot written) by `observe`
+        else:
+            x = self.step_input(state["outs"].get(parents, ctx), self.base.embed_tokens(tokens))  # [B, N, 2H]
+            out = ctx.run_layers(self.layers, x, STORE, POSITION_OFFSET)
+        state["outs"].put(out, nodes, ctx)
+        return self.readout(out)  # [B, N, V_d]
+
+    # -- the maps serving engines read ---------------------------------------------------------------------------
+    def d2t(self) -> torch.Tensor:
+        """[V_d] int64 offsets: base id of draft index i = i + d2t[i] (EAGLE-3's convention)."""
+        tokens = self.draft_vocab.tokens
+        return tokens - torch.arange(len(tokens), device=tokens.device)
+
+    def t2d(self) -> torch.Tensor:
+        """[V] bool: which base tokens the draft vocab holds."""
+        mask = torch.zeros(self.base.vocab_size, dtype=torch.bool, device=self.draft_vocab.tokens.device)
+        mask[self.draft_vocab.tokens] = True
+        return mask

@@ -1,0 +1,116 @@
+"""Drafters out of specdec and into it: `python -m specdec.export <drafter dir> --to <format> --out <dir>` writes a
+trained drafter in a serving engine's own format; `load(path, base)` reads any of those formats (or a specdec
+checkpoint) back into a drafter our sampler runs, so `evaluate.py drafters=[<dir>]` judges a drafter trained
+elsewhere (SpecForge, speculators, the EAGLE repo, Medusa) beside ours.
+
+| format | family | who loads it |
+|---|---|---|
+| speculators | eagle3 | vLLM (auto-detected), the speculators package |
+| sglang | eagle3 | SGLang, the EAGLE repo, SpecForge (`LlamaForCausalLMEagle3`) |
+| vllm_medusa | medusa | vLLM's MedusaModel |
+| medusa | medusa | the Medusa repo, TGI and TensorRT-LLM's converters |
+| hf | draft_model | HF from_pretrained / generate(assistant_model=), vLLM draft-model speculation |
+| gguf | draft_model, eagle3 | llama.cpp --model-draft (eagle3: --spec-type draft-eagle3) |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from specdec.base import Base
+from specdec.checkpoint import META, load_drafter, read_meta
+from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.drafter import Drafter
+from specdec.drafters.eagle3 import Eagle3
+from specdec.drafters.medusa import Medusa
+from specdec.export import draft_model, eagle3, gguf, medusa
+from specdec.export.common import SPECDEC, CheckpointError
+
+
+@dataclass(frozen=True)
+class Format:
+    family: type | tuple[type, ...]
+    write: Callable[[Any, Path, str], None]
+    loads_it: str
+
+
+FORMATS = {
+    "speculators": Format(Eagle3, eagle3.write_speculators, "vLLM, speculators"),
+    "sglang": Format(Eagle3, eagle3.write_sglang, "SGLang, the EAGLE repo, SpecForge"),
+    "vllm_medusa": Format(Medusa, medusa.write_vllm, "vLLM MedusaModel"),
+    "medusa": Format(Medusa, medusa.write_repo, "the Medusa repo, TGI, TensorRT-LLM"),
+    "hf": Format(DraftModel, draft_model.write_hf, "HF from_pretrained, generate(assistant_model=), vLLM"),
+    "gguf": Format((DraftModel, Eagle3), gguf.write, "llama.cpp --model-draft (EAGLE-3: --spec-type draft-eagle3)"),
+}
+
+
+def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path:
+    """Write `drafter` in format `to` into the folder `out` (created); refused in one line where the family has no
+    such format."""
+    if to not in FORMATS:
+        raise CheckpointError(f"unknown format {to!r}; formats: {', '.join(FORMATS)}")
+    fmt = FORMATS[to]
+    if not isinstance(drafter, fmt.family):
+        have = [n for n, f in FORMATS.items() if isinstance(drafter, f.family)]
+        raise CheckpointError(
+            f"a {type(drafter).__name__.lower()} drafter has no {to} form; "
+            + (f"its formats: {', '.join(have)}" if have else
+               f"only {', '.join(sorted(_family_names()))} drafters have serving "
+               f"formats ({', '.join(FORMATS)})"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fmt.write(drafter, out, source)
+    return out
+
+
+def _family_names() -> set[str]:
+    names = {Eagle3: "eagle3", Medusa: "medusa", DraftModel: "draft_model"}  # (their drafter= config names)
+    return {names[c] for f in FORMATS.values() for c in (f.family if isinstance(f.family, tuple) else (f.family,))}
+
+
+def detect(path: str | Path) -> str:
+    """Which format the folder holds: specdec (a checkpoint of ours) or one of FORMATS."""
+    path = Path(path)
+    if (path / META).exists():
+        return "specdec"
+    config = path / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"no drafter at {path}: neither a specdec checkpoint ({META}) nor a config.json")
+    cfg = json.loads(config.read_text())
+    if eagle3.is_speculators(cfg):
+        return "speculators"
+    if eagle3.is_sglang(cfg):
+        return "sglang"
+    if medusa.is_vllm(cfg):
+        return "vllm_medusa"
+    if medusa.is_repo(cfg):
+        return "medusa"
+    if draft_model.is_hf(path):
+        return "hf"
+    raise CheckpointError(f"{path}: config.json is of no drafter format specdec reads ({', '.join(FORMATS)})")
+
+
+def describe(path: str | Path) -> dict:
+    """What evaluate.py names and reports a drafter by, read before the base is loaded: its family ("target") and,
+    for an export or a checkpoint from elsewhere, its format and the base it names."""
+    fmt = detect(path)
+    if fmt == "specdec":
+        return read_meta(path)
+    record = Path(path) / SPECDEC
+    base_name = json.loads(record.read_text())["base_name"] if record.exists() else None
+    family = {"speculators": Eagle3, "sglang": Eagle3, "vllm_medusa": Medusa, "medusa": Medusa, "hf": DraftModel}[fmt]
+    return {"target": f"{family.__module__}.{family.__qualname__}", "format": fmt, "base_name": base_name}
+
+
+def load(path: str | Path, base: Base) -> Drafter:
+    """Any drafter folder -> a drafter on `base`: a specdec checkpoint, or a checkpoint in one of FORMATS (refused
+    in one line when it is for another base, or malformed)."""
+    fmt, path = detect(path), Path(path)
+    if fmt == "specdec":
+        return load_drafter(path, base)
+    reader = {"speculators": eagle3.read, "sglang": eagle3.read, "vllm_medusa": medusa.read, "medusa": medusa.read,
+              "hf": draft_model.read}[fmt]
+    return reader(path, base)

@@ -1,0 +1,197 @@
+"""specdec.export: every format written and read back to the same drafter; the names and shapes the other sides'
+loaders read (fixtures from their sources); a wrong base, a malformed checkpoint and a family without a format
+refused in one line; an exported drafter evaluated like ours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.base import tiny_base
+from specdec.checkpoint import save_drafter
+from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.eagle3 import Eagle3
+from specdec.drafters.hydra import Hydra
+from specdec.drafters.medusa import Medusa
+from specdec.export import FORMATS, detect, export, load
+from specdec.export.common import SPECDEC, CheckpointError
+
+T = 8
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(num_layers=4)
+
+
+def randomized(d, seed: int = 0, vocab: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        if vocab is not None:  # a draft vocab that is not the first ids
+            d.set_draft_vocab(torch.randperm(d.base.vocab_size, generator=gen)[:vocab])
+            for p in d.vocab_heads():
+                p.weight.copy_(torch.randn(p.weight.shape, generator=gen))
+    return d.eval()
+
+
+def same_logits(a, b, base):
+    ids = torch.randint(3, base.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+    feats = base.features(ids, layers=a.feature_layers)
+    with torch.no_grad():
+        la, lb = a.forward_train(feats, ids).logits, b.forward_train(feats, ids).logits
+    k = min(la.shape[2], lb.shape[2])  # (SGLang's layout records no TTT length: it reads back as EAGLE-3's 7)
+    torch.testing.assert_close(a.full_vocab(la[:, :, :k]), b.full_vocab(lb[:, :, :k]))
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_eagle3_round_trips(base, tmp_path, fmt):
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    out = export(d, fmt, tmp_path / fmt)
+    assert detect(out) == fmt
+    back = load(out, base)
+    assert isinstance(back, Eagle3) and back.aux_layers == [1, 2, 3]
+    assert torch.equal(back.draft_vocab.tokens, d.draft_vocab.tokens)
+    same_logits(d, back, base)
+
+
+def test_speculators_layout_is_what_vllm_and_speculators_read(base, tmp_path):
+    """Fixture: config fields from speculators' Eagle3SpeculatorConfig (src/speculators/models/eagle3/config.py,
+    src/speculators/config.py) and vLLM's reader (vllm/transformers_utils/configs/speculators/algos.py); tensor names
+    of Eagle3DraftModel's state dict (src/speculators/models/eagle3/core.py)."""
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    out = export(d, "speculators", tmp_path / "s")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["draft_vocab_size"] == 50 and cfg["target_hidden_size"] == base.hidden_size
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["norm_before_residual"] is False
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy" and set(spec["verifier"]) == {"name_or_path",
+                                                                                                  "architectures"}
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    h, v = base.hidden_size, base.vocab_size
+    t = load_file(out / "model.safetensors")
+    assert t["fc.weight"].shape == (h, 3 * h) and t["lm_head.weight"].shape == (50, h)
+    assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h and "layers.0.hidden_norm.weight" in t
+    assert t["embed_tokens.weight"].shape == (v, h) and t["norm.weight"].shape == (h,)
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 50
+    assert torch.equal(t["d2t"] + torch.arange(50), d.draft_vocab.tokens)
+
+
+def test_sglang_layout_is_what_its_loader_reads(base, tmp_path):
+    """Fixture: sglang python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights: `midlayer.*`,
+    fc, norm, lm_head, d2t as offsets `hot_token_id = d2t + arange`; eagle_config ids as layer outputs, +1)."""
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    out = export(d, "sglang", tmp_path / "g")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 50 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    t = load_file(out / "model.safetensors")
+    names = {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+             "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+             "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+             "midlayer.mlp.down_proj.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert names <= set(t) and not any(k.startswith("layers.") for k in t)
+
+
+def test_medusa_round_trips_and_layouts(base, tmp_path):
+    """Fixtures: vLLM vllm/model_executor/models/medusa.py (blocks.{h}.layers.{l}, lm_heads.{h}, token_map,
+    num_heads / num_hidden_layers / truncated_vocab_size) and FasterDecoding/Medusa medusa/model/medusa_model.py
+    (medusa_lm_head.safetensors: {h}.{l}.linear, {h}.{L}.weight; medusa_num_heads / medusa_num_layers)."""
+    d = randomized(Medusa(base, num_heads=3, num_layers=2, own_lm_head=True, draft_vocab_size=40), vocab=40)
+    out = export(d, "vllm_medusa", tmp_path / "v")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["truncated_vocab_size"]) == (3, 2, 40)
+    t = load_file(out / "model.safetensors")
+    assert {"blocks.2.layers.1.weight", "blocks.2.layers.1.bias", "lm_heads.2.weight", "token_map"} <= set(t)
+    same_logits(d, load(out, base), base)
+
+    plain = randomized(Medusa(base, num_heads=2, num_layers=1))  # the base's shared lm_head, full vocab
+    out = export(plain, "medusa", tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["medusa_num_heads"] == 2
+    assert {"0.0.linear.weight", "0.0.linear.bias", "1.1.weight"} <= set(load_file(out / "medusa_lm_head.safetensors"))
+    same_logits(plain, load(out, base), base)
+    with pytest.raises(CheckpointError, match="draft_vocab_size=null"):
+        export(d, "medusa", tmp_path / "no")
+
+
+def test_draft_model_is_a_plain_hf_model(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = randomized(DraftModel(base, num_layers=1))
+    out = export(d, "hf", tmp_path / "hf")
+    lm = AutoModelForCausalLM.from_pretrained(out)  # what generate(assistant_model=) and vLLM load
+    ids = torch.randint(3, base.vocab_size, (1, T))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids).logits, d.lm(ids).logits)
+    back = load(out, base)
+    assert isinstance(back, DraftModel)
+    with torch.no_grad():
+        torch.testing.assert_close(back.lm(ids).logits, d.lm(ids).logits)
+    with pytest.raises(CheckpointError, match="draft_vocab_size=null"):
+        export(DraftModel(base, num_layers=1, draft_vocab_size=30), "hf", tmp_path / "no")
+
+
+def test_families_without_a_format_are_refused_in_one_line(base, tmp_path):
+    with pytest.raises(CheckpointError, match=r"a hydra drafter has no speculators form; only .* drafters have serving "
+                                              r"formats \(speculators, sglang, vllm_medusa, medusa, hf, gguf\)"):
+        export(Hydra(base, num_heads=2), "speculators", tmp_path / "x")
+    with pytest.raises(CheckpointError, match="a medusa drafter has no sglang form; its formats: vllm_medusa, medusa"):
+        export(Medusa(base, num_heads=2), "sglang", tmp_path / "x")
+    assert set(FORMATS) == {"speculators", "sglang", "vllm_medusa", "medusa", "hf", "gguf"}
+
+
+def test_another_base_and_malformed_checkpoints_are_refused(base, tmp_path):
+    d = randomized(Eagle3(base, ttt_steps=2, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    out = export(d, "speculators", tmp_path / "s")
+    with pytest.raises(CheckpointError, match="exported from another base"):
+        load(out, tiny_base(num_layers=4, seed=1))
+    # a checkpoint from elsewhere (no specdec.json): its declared verifier, hidden size and tensors decide
+    (out / SPECDEC).unlink()
+    cfg = json.loads((out / "config.json").read_text())
+    for change, message in [({"speculators_config": {**cfg["speculators_config"], "verifier": {
+                                 "name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "architectures": []}}},
+                              "drafts for verifier 'meta-llama/Llama-3.1-8B-Instruct'"),
+                            ({"target_hidden_size": 4096}, "reads hidden states of size 4096")]:
+        (out / "config.json").write_text(json.dumps(cfg | change))
+        with pytest.raises(CheckpointError, match=message):
+            load(out, base)
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(out / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "fc.weight"}, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match="tensor fc.weight is missing"):
+        load(out, base)
+    save_file(tensors | {"norm.weight": torch.ones(7)}, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor norm.weight has shape \(7,\), expected"):
+        load(out, base)
+    with pytest.raises(CheckpointError, match="of no drafter format"):
+        (tmp_path / "junk").mkdir()
+        (tmp_path / "junk" / "config.json").write_text("{}")
+        load(tmp_path / "junk", base)
+
+
+def test_an_exported_drafter_is_evaluated_beside_ours(base, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONFIGS
+    from specdec.evaluation import evaluate
+
+    tiny = tiny_base()
+    d = randomized(Medusa(tiny, num_heads=2))
+    save_drafter(d, tmp_path / "ours")
+    export(d, "vllm_medusa", tmp_path / "theirs")
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "c", "turns": ["def add(a, b):"]}))
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("evaluate", overrides=[
+            "base=tiny", f"paths.output_dir={tmp_path}/eval", "prompts=jsonl", f"prompts.path={tmp_path}/q.jsonl",
+            f"drafters=[{tmp_path}/ours,{tmp_path}/theirs]", "peers=[]", "sampler.max_new_tokens=12",
+            "sampler.eos_token_id=[]", "wandb.enabled=false", "sampler.gamma=2"])
+    rows = {r["method"]: r for r in evaluate(cfg)["rows"]}
+    assert set(rows) == {"ar (ours)", "medusa", "medusa (vllm_medusa)"}
+    assert rows["medusa"]["tau"] == rows["medusa (vllm_medusa)"]["tau"]  # the same drafter, read back
+    assert all(r["greedy_identical"] for r in rows.values())
