@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup upgrade peers demo test bench identity distill features features-completions tables clean
+.PHONY: setup upgrade peers demo test test-long bench identity distill features features-completions tables clean
 
 setup: $(STAMP)
 
@@ -37,11 +37,17 @@ upgrade:
 # llama.cpp's C++ tools (llama-server, llama-bench, ...) from the llama.cpp inside PyPI's llama-cpp-python sdist, for
 # this CPU without AMX (experiments/peers/build_llama_cpp.sh says why): the peer every speed claim stands beside.
 # About 10-20 min on 2 cores, once; into .peers/. make demo and make bench use it; the tests that need it skip without.
-peers:
+peers: setup
 	bash experiments/peers/build_llama_cpp.sh
+	# (its converter, run by python -m specdec.export --to gguf, reads a BPE tokenizer through sentencepiece's import)
+	$(PY) -m pip install -q $(CONSTRAINTS) sentencepiece
 
+# The suite a newcomer waits for (the tests marked `long`, each over ~30 s here, are left to test-long; CI runs both).
 test: setup
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 -m "not long" tests
+
+test-long: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 -m long tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
 # completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
@@ -124,7 +130,7 @@ bench: setup peers
 # code, on CPU and offline. Its Eagle3DraftModel.from_pretrained loads the export (verifier: the local base) in its own
 # venv (.interop/, its pins apart from ours); on one HumanEval sequence's base features and tokens its draft logits
 # must match our Eagle3.unroll's (max relative error <= 1e-5, every TTT step) and its greedy draft chain ours, under
-# its default flex attention and sdpa. Writes experiments/results/interop/speculators.md.
+# its default flex attention, sdpa and eager. Writes experiments/results/interop/speculators.md.
 .PHONY: interop
 INTEROP_RUN := .interop/run
 interop: setup
@@ -133,6 +139,7 @@ interop: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(THREADS) .interop/speculators-venv/bin/python \
 	    experiments/interop/check_speculators.py --export $(INTEROP_RUN)/export \
 	    --inputs $(INTEROP_RUN)/inputs.safetensors --report experiments/results/interop/speculators.md
+	@cat experiments/results/interop/speculators.md
 
 clean:
 	rm -rf .venv outputs logs
