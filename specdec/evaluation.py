@@ -97,11 +97,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     items = [dict(it, passed=p) for p in range(passes) for it in prompts]
     with ExitStack() as servers:  # llama.cpp peers' server processes, stopped however the evaluation ends
         methods = _methods(cfg, base, drafters, sampler, engine, servers)
-        return _run(cfg, out_dir, config, base, metas, sampler, engine, prompts, passes, items, methods)
+        return _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods)
 
 
-def _run(cfg, out_dir, config, base, metas, sampler, engine, prompts, passes, items, methods) -> dict[str, Any]:
-
+def _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods) -> dict[str, Any]:
+    """evaluate's timed part, with every method built: warm-up, the turns, the reference, the report."""
+    passes = int(cfg.get("passes", 1))
     # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
     # dir reads them back and runs only what is missing.
     runs: dict[str, list[list[Run]]] = {m.name: [] for m in methods}  # method -> prompt -> turns

@@ -6,12 +6,17 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
 
 STEPS = 3
+
+
+# two training processes on two cores
+pytestmark = pytest.mark.long
 
 
 def _train(corpus, tmp_path, run, *overrides):

@@ -195,3 +195,16 @@ def test_an_exported_drafter_is_evaluated_beside_ours(base, tmp_path):
     assert set(rows) == {"ar (ours)", "medusa", "medusa (vllm_medusa)"}
     assert rows["medusa"]["tau"] == rows["medusa (vllm_medusa)"]["tau"]  # the same drafter, read back
     assert all(r["greedy_identical"] for r in rows.values())
+
+
+def test_the_command_line_exports_a_checkpoint_and_refuses_in_one_line(base, tmp_path, monkeypatch, capsys):
+    import specdec.export.__main__ as cli
+
+    monkeypatch.setattr(cli, "load_base", lambda name, device: base)  # (the tiny base has no name to load it by)
+    save_drafter(randomized(Eagle3(base, ttt_steps=2, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50),
+                 tmp_path / "ckpt")
+    assert cli.main([str(tmp_path / "ckpt"), "--to", "speculators", "--out", str(tmp_path / "out")]) == 0
+    assert detect(tmp_path / "out") == "speculators" and "vLLM" in capsys.readouterr().out
+    assert cli.main([str(tmp_path / "ckpt"), "--to", "medusa", "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "has no medusa form; its formats: speculators, sglang, gguf" in err

@@ -1,7 +1,8 @@
 """llama.cpp's formats: a draft model or an EAGLE-3 drafter as one GGUF file, made by llama.cpp's own
 convert_hf_to_gguf.py (from the tree `make peers` unpacks, run as a tool over our HF-layout export, never copied).
 
-- draft_model: the plain HF directory (export `hf`) converted in float32; llama.cpp runs it with `--model-draft`.
+- draft_model: the plain HF directory (export `hf`) converted in float32; llama.cpp runs it with `--model-draft` and
+  `--spec-type draft-simple`.
 - eagle3: the speculators directory converted with `--target-model-dir` (the base's HF directory: the converter
   takes the base's tokenizer, layer count and hidden size from it); llama.cpp runs it with `--model-draft` and
   `--spec-type draft-eagle3`, reading the inputs of the fused layers from its own forward of the base."""
@@ -48,11 +49,12 @@ def write(d, out: Path, source: str) -> None:
 
 
 def server_args(path: str | Path) -> list[str]:
-    """llama-server's flags for a draft GGUF: the EAGLE-3 speculation type where the file is one (its record says)."""
+    """llama-server's flags for a draft GGUF: the file and its speculation type (EAGLE-3's where its record says so;
+    `-md` alone loads a draft model without drafting with it)."""
     import json
 
     path = Path(path)
     record = path.parent / "specdec.json" if path.is_file() else path / "specdec.json"
     file = path if path.is_file() else path / FILE
     family = json.loads(record.read_text()).get("family") if record.exists() else None
-    return ["-md", str(file), *(["--spec-type", "draft-eagle3"] if family == "eagle3" else [])]
+    return ["-md", str(file), "--spec-type", "draft-eagle3" if family == "eagle3" else "draft-simple"]

@@ -42,6 +42,10 @@ RECORDED_RUN = """
 """
 
 
+# the Triton kernels through Triton's CPU interpreter: minutes here, the GPU runs them in experiments/cuda_check.sh
+pytestmark = pytest.mark.long
+
+
 def interpreted(*code: str) -> str:
     """Run the `code` parts, one after the other, in a fresh Python with Triton's interpreter on (kernels run on CPU
     tensors); its stdout."""
