@@ -295,6 +295,7 @@ def test_generate_drafts_exactly_the_training_logits(base, trained):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (20-40 s: HF generate in float32 beside ours on the real base)
 def test_on_smollm2():
     """The real base: decoder blocks built from its config, identity init, and lossless greedy drafting."""
     from specdec.base import load_base

@@ -270,6 +270,7 @@ def test_decoding_from_compact_forms_is_greedy_identical(compact_forced, kw):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (20-40 s: HF generate in float32 beside ours on the real base)
 @needs_compiler
 def test_smollm2_holds_its_gguf_blocks_and_decodes_greedy_identical_to_hf(compact_forced):
     """The embedded SmolLM2: every decode weight has the q4 form of its GGUF's Q4_1 blocks and the tied lm_head the

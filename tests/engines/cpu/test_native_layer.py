@@ -274,6 +274,7 @@ def test_a_layer_binds_again_only_when_its_cache_buffers_change(base, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (20-40 s: HF generate in float32 beside ours on the real base)
 @needs_compiler
 def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
     base = load_base(device="cpu")
