@@ -135,6 +135,13 @@ def test_draft_model_is_a_plain_hf_model(base, tmp_path):
         torch.testing.assert_close(back.lm(ids).logits, d.lm(ids).logits)
     with pytest.raises(CheckpointError, match="draft_vocab_size=null"):
         export(DraftModel(base, num_layers=1, draft_vocab_size=30), "hf", tmp_path / "no")
+    # HF's assisted generation with it emits the base's own greedy tokens
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+              pad_token_id=0)
+    plain = base.model.generate(prompt, **kw)
+    assisted = base.model.generate(prompt, assistant_model=lm, **kw)
+    assert torch.equal(assisted, plain)
 
 
 def test_families_without_a_format_are_refused_in_one_line(base, tmp_path):

@@ -53,8 +53,8 @@ def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path
     if to not in FORMATS:
         raise CheckpointError(f"unknown format {to!r}; formats: {', '.join(FORMATS)}")
     fmt = FORMATS[to]
-    if not isinstance(drafter, fmt.family):
-        have = [n for n, f in FORMATS.items() if isinstance(drafter, f.family)]
+    if not _of(drafter, fmt):  # (the exact family: a subclass may hold more than the format can say)
+        have = [n for n, f in FORMATS.items() if _of(drafter, f)]
         raise CheckpointError(
             f"a {type(drafter).__name__.lower()} drafter has no {to} form; "
             + (f"its formats: {', '.join(have)}" if have else
@@ -64,6 +64,10 @@ def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path
     out.mkdir(parents=True, exist_ok=True)
     fmt.write(drafter, out, source)
     return out
+
+
+def _of(drafter: Drafter, fmt: Format) -> bool:
+    return type(drafter) in (fmt.family if isinstance(fmt.family, tuple) else (fmt.family,))
 
 
 def _family_names() -> set[str]:

@@ -24,12 +24,16 @@ def hf_model(d: DraftModel):
         raise CheckpointError("a draft model with a draft vocab has no plain-LM form; train one for export with "
                               "drafter.draft_vocab_size=null")
     lm = type(d.lm)(d.lm.config).to(dtype=d.base.dtype)
-    state = {k: v for k, v in d.lm.state_dict().items()}
-    state["model.embed_tokens.weight"] = d.base.embed_tokens.weight
-    state["lm_head.weight"] = d.base.lm_head.weight
-    lm.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=False)
-    if lm.config.tie_word_embeddings:
+    state = dict(d.lm.state_dict())
+    if d.hparams.get("model") is None:  # trained here: its embeddings and lm_head are the base's (never saved)
+        state["model.embed_tokens.weight"] = d.base.embed_tokens.weight
+        state["lm_head.weight"] = d.base.lm_head.weight
+    missing, _ = lm.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=False)
+    if lm.config.tie_word_embeddings:  # (its lm_head is its embedding: one tensor under two names)
         lm.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise CheckpointError(f"the draft model's weights lack {', '.join(missing[:3])}")
     return lm
 
 
