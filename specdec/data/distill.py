@@ -41,7 +41,9 @@ from specdec.data.stream import stream
 from specdec.engines import EngineConfig, build
 from specdec.sampling.config import SamplerConfig
 
-ENGINES = ("specdec", "hf")  # our decode loop, no drafter, continuous batching | transformers' generate, left padding
+# our decode loop, no drafter, continuous batching | transformers' generate, left padding | any OpenAI-compatible
+# server (vLLM, SGLang, llama.cpp's llama-server) at `base_url`, serving the same base: the scale-out path
+ENGINES = ("specdec", "hf", "openai")
 
 
 def distill(
@@ -56,13 +58,14 @@ def distill(
     engine: str = "specdec",
     max_shards: int | None = None,
     decode_engine: EngineConfig | None = None,
+    server: dict | None = None,
 ) -> Dataset:
     """Generate the base's response to the first `limit` prompts (rows with `messages`, optionally `id`) into
     `out_dir`. Resumable: prompts whose id is in a complete shard are skipped, so a rerun generates only the
     rest; a rerun with other settings or another base is refused. `max_shards` bounds a run: it stops once
     `out_dir` holds that many shards (shortest prompts first), so a bounded set is reproducible and a rerun with a
-    larger bound extends it. `decode_engine`: how our loop's forwards run (engine=specdec; None: auto). Returns every
-    row of `out_dir`."""
+    larger bound extends it. `decode_engine`: how our loop's forwards run (engine=specdec; None: auto). `server`:
+    engine=openai's {base_url, model}. Returns every row of `out_dir`."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     out = Path(out_dir).expanduser()
@@ -82,8 +85,12 @@ def distill(
     first = int(existing[-1].name) + 1 if existing else 0
     if max_shards is not None:
         todo = todo[: max(0, max_shards - first) * shard_size]
-    run = _ours(base, sampler, eos, seed, batch_size, decode_engine) if engine == "specdec" else _hf(
-        base, sampler, eos, seed, batch_size, shard_size)
+    if engine == "specdec":
+        run = _ours(base, sampler, eos, seed, batch_size, decode_engine)
+    elif engine == "hf":
+        run = _hf(base, sampler, eos, seed, batch_size, shard_size)
+    else:
+        run = _openai(base, sampler, eos, seed, batch_size, **(server or {}))
     constant = {**settings, "base": base.name, "base_sha256": fingerprint["weights_sha256"]}
     generated, t0 = 0, time.perf_counter()
     with tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
@@ -310,6 +317,39 @@ def _hf(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_siz
     return run
 
 
+def _openai(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch_size: int,
+            base_url: str | None = None, model: str | None = None) -> Engine:
+    """An OpenAI-compatible server's /v1/completions, `batch_size` requests in flight (its own batching does the
+    rest). The prompt goes as the base's token ids (the chat template rendered here, as for the other engines); the
+    answer comes back as text, tokenized by the base's tokenizer again, with the EOS where the server stopped on one."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not base_url:
+        raise ValueError("engine=openai needs server.base_url=http://<host>:<port> (vLLM, SGLang or llama-server "
+                         "serving the base)")
+    url = base_url.rstrip("/") + ("/completions" if base_url.rstrip("/").endswith("/v1") else "/v1/completions")
+
+    def one(prompt: list[int], row_id: str) -> list[int]:
+        body = {"model": model or base.name, "prompt": prompt, "max_tokens": sampler.max_new_tokens,
+                "temperature": sampler.temperature, "top_p": sampler.top_p, "seed": _row_seed(seed, row_id) % 2**31}
+        if sampler.top_k:
+            body["top_k"] = sampler.top_k  # (not OpenAI's own field; vLLM, SGLang and llama.cpp read it)
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            choice = json.loads(r.read())["choices"][0]
+        tokens = base.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+        stopped = choice.get("finish_reason") == "stop" and eos
+        return tokens + [eos[0]] if stopped else tokens
+
+    def run(prompt_ids: list[list[int]], ids: list[str]) -> Iterator[tuple[int, list[int]]]:
+        with ThreadPoolExecutor(max(1, batch_size)) as pool:
+            yield from enumerate(pool.map(one, prompt_ids, ids))
+
+    return run
+
+
 def _eos(base: Base, sampler: SamplerConfig) -> list[int]:
     eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
     return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
@@ -387,7 +427,8 @@ def main(cfg: DictConfig) -> None:
         restore(cfg.start_from, cfg.out_dir, shard_size=cfg.shard_size)
     distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
             shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards,
-            decode_engine=hydra.utils.instantiate(cfg.decode_engine))
+            decode_engine=hydra.utils.instantiate(cfg.decode_engine),
+            server=OmegaConf.to_container(cfg.server) if "server" in cfg else None)
     if cfg.ship_to:
         overrides = " ".join(HydraConfig.get().overrides.task)
         command = cfg.ship_command or f"python -m specdec.data.distill {overrides}".strip()

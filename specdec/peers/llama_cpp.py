@@ -76,6 +76,10 @@ class LlamaServer:
                 raise RuntimeError(f"llama-server not ready after {start_s:.0f} s: {' '.join(self.cmd)}")
             time.sleep(0.1)
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:

@@ -89,3 +89,28 @@ def test_our_drafters_run_as_llama_cpp_draft_models(tmp_path, family):
     with llama_cpp.LlamaServer(smollm2_gguf_path(), threads=2, args=gguf.server_args(out)) as server:
         c = server.complete(prompt, 24)
     assert len(c.tokens) > 0 and c.drafted > 0
+
+
+@needs_build
+def test_distillation_through_an_openai_compatible_server(tmp_path):
+    """engine=openai: the base's answers from llama.cpp's server (/v1/completions, the prompts as token ids), stored
+    as our own engine's are; a rerun generates nothing more."""
+    from datasets import Dataset
+
+    from specdec.base import load_base
+    from specdec.data.distill import distill
+    from specdec.sampling.config import SamplerConfig
+
+    base = load_base(device="cpu")
+    prompts = Dataset.from_list([{"id": f"q{i}", "messages": [{"role": "user", "content": q}]}
+                                 for i, q in enumerate(["Name a prime number.", "Say hello.", "What is 2 + 2?"])])
+    with llama_cpp.LlamaServer(smollm2_gguf_path(), threads=2) as server:
+        rows = distill(prompts, base, str(tmp_path / "d"), SamplerConfig(max_new_tokens=24), batch_size=2,
+                       shard_size=2, engine="openai", server={"base_url": server.url})
+        assert sorted(rows["id"]) == ["q0", "q1", "q2"] and all(len(r) > 0 for r in rows["response"])
+        assert all(0 < n <= 25 for n in rows["response_tokens"])
+        again = distill(prompts, base, str(tmp_path / "d"), SamplerConfig(max_new_tokens=24), batch_size=2,
+                        shard_size=2, engine="openai", server={"base_url": server.url})
+    assert again["response"] == rows["response"]
+    with pytest.raises(ValueError, match="engine=openai needs server.base_url"):
+        distill(prompts, base, str(tmp_path / "e"), SamplerConfig(max_new_tokens=4), engine="openai")
