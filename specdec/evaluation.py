@@ -234,8 +234,8 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
     one), our threads, plain (`llama_cpp`), with its n-gram speculation (`llama_cpp_lookup`) or with a GGUF draft
     model (`llama_cpp_draft`). Started here, outside every timing; `servers` stops it."""
     lc = cfg.llama_cpp
-    gguf = lc.gguf or (smollm2_gguf_path() if base.name == SMOLLM2 else None)
-    if gguf is None:
+    base_file = lc.gguf or (smollm2_gguf_path() if base.name == SMOLLM2 else None)
+    if base_file is None:
         raise ValueError(f"peer {peer} needs the base as a GGUF file: llama_cpp.gguf=<file> (convert it with llama.cpp's "
                          f"convert_hf_to_gguf.py, in .peers/llama.cpp after `make peers`)")
     args = list(lc.args)
@@ -246,7 +246,7 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
             raise ValueError("peer llama_cpp_draft needs a drafter as GGUF: llama_cpp.draft_gguf=<file or export dir> "
                              "(python -m specdec.export <draft_model or eagle3 dir> --to gguf --out <dir>)")
         args += [*gguf.server_args(lc.draft_gguf), *lc.draft_args]  # (an EAGLE-3 file: its speculation type)
-    server = servers.enter_context(llama_cpp.LlamaServer(gguf, torch.get_num_threads(), args, ctx=lc.ctx))
+    server = servers.enter_context(llama_cpp.LlamaServer(base_file, torch.get_num_threads(), args, ctx=lc.ctx))
     eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
 
     def run(prompts: list[list[int]]) -> list[Run]:
@@ -507,7 +507,7 @@ def render_markdown(report: dict, config_yaml: str) -> str:
               "per round (γ, less with an adaptive draft length); α: accepted / drafted tokens; "
               "speedup: mean over prompts of tok/s ÷ the same for the baseline, same run (± the standard deviation "
               "of that ratio over passes); best AR: the fastest plain decoder in the run; greedy-identical: every "
-              "answer equals the reference greedy decode's (identity_reference), else how many prompts do; a peer "
+              "answer equals the reference greedy decode's (identity_reference), else how many answers do; a peer "
               "that computes another model (llama.cpp: 8-bit activations) is not expected to. Peers report no τ "
               "(llama.cpp's speculation its α)."]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,8 @@ def _cfg(tmp_path, overrides):
 def test_a_base_without_a_gguf_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"peer llama_cpp needs the base as a GGUF file: llama_cpp.gguf="):
         evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp]", "prompts.limit=1"]))
+    with pytest.raises(ValueError, match=r"peer llama_cpp_draft needs a drafter as GGUF: llama_cpp.draft_gguf="):
+        evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp_draft]", "llama_cpp.gguf=base.gguf", "prompts.limit=1"]))
     with pytest.raises(ValueError, match=r"known: .*llama_cpp_lookup"):
         evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp_turbo]", "prompts.limit=1"]))
 
