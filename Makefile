@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup upgrade peers demo test test-long bench identity distill features features-completions tables clean
+.PHONY: setup upgrade peers demo test test-long bench identity distill distill-general features features-completions tables clean
 
 setup: $(STAMP)
 
@@ -99,6 +99,20 @@ distill: setup
 	    sampler.temperature=0.7 sampler.top_p=0.95 'out_dir=$${paths.cache_dir}/distill/stdlib_complete_sampled' \
 	    hydra.run.dir=logs/distill/complete_sampled start_from=$(if $(filter shipped,$(DISTILL_FROM)),$(SAMPLED),null) \
 	    ship_to=$(SAMPLED) "ship_command='make distill SAMPLED_SHARDS=$(SAMPLED_SHARDS)'"
+
+# General-domain text the base writes itself (specdec/data/magpie.py): GENERAL_REQUESTS requests sampled from its chat
+# template up to an open user turn (T = 1; filtered: finished, length, English letters, exact and near duplicates,
+# no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
+# ~/.cache/specdec/distill/general (GENERAL_SHIP=<file.jsonl.gz> also writes the text and its manifest there).
+# About 1.5 s a request on 2 cores; a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
+GENERAL_REQUESTS ?= 2000
+GENERAL_SHIP ?= null
+DISTILL_ENGINE ?= specdec
+distill-general: setup
+	$(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
+	    +prompts.count=$(GENERAL_REQUESTS) '+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
+	    limit=null engine=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
+	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP)
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup

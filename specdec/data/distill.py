@@ -421,7 +421,9 @@ def _write_or_check_meta(out: Path, meta: dict) -> None:
 def main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=False))
     base: Base = hydra.utils.instantiate(cfg.base)
-    prompts: Dataset = hydra.utils.instantiate(cfg.prompts)
+    prompts = hydra.utils.instantiate(cfg.prompts)
+    if not isinstance(prompts, Dataset):  # a source that needs the base (specdec.data.magpie: the base writes them)
+        prompts = prompts(base=base)
     sampler: SamplerConfig = hydra.utils.instantiate(cfg.sampler)
     if cfg.start_from:
         restore(cfg.start_from, cfg.out_dir, shard_size=cfg.shard_size)

@@ -1,0 +1,59 @@
+"""The base writes its own requests (Magpie): the template up to an open user turn, the filter's reasons, the
+13-gram contamination check, resuming from the cache, and distill answering them."""
+
+import json
+
+import pytest
+
+from specdec.base import tiny_base
+from specdec.data import magpie
+from specdec.data.overlap import Overlap, eval_texts, ngrams
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base()
+
+
+def test_the_prompt_stops_where_the_user_would_start(base):
+    text = base.tokenizer.decode(magpie.open_user_turn(base.tokenizer))
+    full = base.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert full.startswith(text) and full[len(text):].startswith("hi")
+
+
+def test_the_filter_says_why():
+    f = magpie.Filter()
+    ok = "What is the best way to prepare for a marathon in the winter?"
+    assert f.why_not(ok, finished=True) is None
+    assert f.why_not(ok.upper(), finished=True) == "duplicate"  # case and punctuation do not hide a copy
+    assert f.why_not("What is the best way to prepare for a marathon in the summer?", True) == "near-duplicate"
+    assert f.why_not("Tell me a story about a dragon who learns to fly over the sea.", False) == "unfinished"
+    assert f.why_not("short?", True) == "length"
+    assert f.why_not("Что такое машинное обучение и как оно работает сегодня?", True) == "language"
+    assert f.why_not("How do I <|im_start|> write a poem about autumn leaves?", True) == "language"
+    # a request quoting a HumanEval prompt's words (13 of them in a row) is dropped, whatever its punctuation
+    humaneval_words = " ".join(ngrams(eval_texts()[0]).pop())
+    assert f.why_not(f"Please explain this: {humaneval_words.upper()}!", True) == "evaluation overlap"
+
+
+def test_overlap_finds_shared_13_grams_not_lines():
+    check = Overlap(["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"])
+    assert check.hits("Zero, ONE two three four five six seven eight nine ten eleven twelve thirteen!")
+    assert not check.hits("one two three four five six seven eight nine ten eleven twelve")  # 12 words
+
+
+def test_requests_are_sampled_filtered_and_resumed(base, tmp_path, monkeypatch):
+    cache = tmp_path / "requests.jsonl"
+    loose = dict(min_chars=1, max_chars=10_000, min_ascii_letters=0.0, max_similar=1.01)
+    monkeypatch.setattr(magpie.Filter, "why_not", lambda self, text, finished: None if text else "length")
+    first = magpie.requests(base, count=6, max_new_tokens=8, batch_size=4, cache=str(cache),
+                            filter=magpie.Filter(**loose))
+    assert len(first) == 6 and first["id"][0] == "magpie:0:0"
+    tried = len(cache.read_text().splitlines())
+    again = magpie.requests(base, count=6, max_new_tokens=8, batch_size=4, cache=str(cache),
+                            filter=magpie.Filter(**loose))
+    assert again["messages"] == first["messages"] and len(cache.read_text().splitlines()) == tried  # read back
+    more = magpie.requests(base, count=9, max_new_tokens=8, batch_size=4, cache=str(cache),
+                           filter=magpie.Filter(**loose))
+    assert more["messages"][:6] == first["messages"]  # extended, not redrawn
+    assert all(json.loads(line)["i"] == i for i, line in enumerate(cache.read_text().splitlines()))
