@@ -49,10 +49,13 @@ def main(paths: list[str]) -> int:
 
     check = Overlap(eval_texts())
     rows = distilled(paths)
-    bad = [(r["id"], " ".join(sorted(g)[0])) for r in rows
-           for g in [check.hits(r["prompt"]) | check.hits(r["response"])] if g]
+    bad = []  # (row, one shared n-gram): every turn checked, the requests and the answers alike
+    for i, r in enumerate(rows):
+        hits = set().union(*(check.hits(m["content"]) for m in r["messages"]))
+        if hits:
+            bad.append((r.get("id", i), " ".join(sorted(hits)[0])))
     for row_id, gram in bad[:20]:
-        print(f"{row_id}: shares {N}-grams with an evaluation prompt, e.g. {gram!r}")
+        print(f"row {row_id}: shares {N}-grams with an evaluation prompt, e.g. {gram!r}")
     print(f"{len(bad)} of {len(rows)} rows share a {N}-gram with an evaluation prompt")
     return 1 if bad else 0
 

@@ -57,3 +57,11 @@ def test_requests_are_sampled_filtered_and_resumed(base, tmp_path, monkeypatch):
                            filter=magpie.Filter(**loose))
     assert more["messages"][:6] == first["messages"]  # extended, not redrawn
     assert all(json.loads(line)["i"] == i for i, line in enumerate(cache.read_text().splitlines()))
+
+
+def test_the_shipped_text_shares_no_13_gram_with_an_evaluation_prompt(capsys):
+    from specdec.data.distill import SHIPPED
+    from specdec.data.overlap import main
+
+    shipped = sorted(str(p) for p in SHIPPED.parent.glob("*.jsonl.gz"))
+    assert len(shipped) >= 2 and main(shipped) == 0, capsys.readouterr().out
