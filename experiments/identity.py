@@ -11,13 +11,14 @@ measurement. A mismatch is reported where it happened with the reference's top-2
 near-tie (a margin of rounding size) is told apart from a bug (a large margin).
 
 Prompts: all 164 HumanEval problems and experiments/prompts/question.jsonl (every turn, each after the reference's
-own earlier answers, so every method decodes the same context). The reference decodes are kept in the output folder
-and read back by a rerun. Writes identity.json and identity.md to --out."""
+own earlier answers, so every method decodes the same context). The reference decodes are kept in
+~/.cache/specdec/identity and read back by a rerun. Writes identity.json and identity.md to --out."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,32 +37,43 @@ from specdec.sampling.decode import generate  # noqa: E402
 from specdec.sampling.lookup import fresh_counts  # noqa: E402
 
 
-def contexts(base: Base, limit: int | None, max_new: int, out: Path) -> list[dict]:
-    """Every (set, prompt, turn) context with the reference's greedy answer: HF generate, float32, before any engine
-    is built. Kept in out/reference.json (a rerun with the same settings reads it back)."""
-    path = out / "reference.json"
-    key = {"limit": limit, "max_new_tokens": max_new, "base": base.name}
+def contexts(base: Base, limit: int | None, max_new: int, cache: Path, batch: int = 16) -> list[dict]:
+    """Every (set, prompt, turn) context with the reference's greedy answer: HF generate in float32, before any engine
+    is built, `batch` contexts at a time (left-padded under an attention mask: stock PyTorch still, its sums in
+    another order than at batch 1, which only the margins at a mismatch can tell). Turn k of a conversation follows
+    the reference's own answers to turns < k. Kept in `cache`/reference.json (a rerun with the same settings reads
+    it back)."""
+    path = cache / "reference.json"
+    key = {"limit": limit, "max_new_tokens": max_new, "base": base.name, "batch": batch}
     if path.exists() and json.loads(path.read_text())["key"] == key:
         return json.loads(path.read_text())["contexts"]
-    sets = {"humaneval": humaneval(limit=limit, split=None),
-            "question": question_jsonl(str(ROOT / "experiments/prompts/question.jsonl"), limit=limit)}
-    eos = base.config.eos_token_id
+    items = [("humaneval", it) for it in humaneval(limit=limit, split=None)]
+    items += [("question", it) for it in question_jsonl(str(ROOT / "experiments/prompts/question.jsonl"), limit=limit)]
+    eos, pad = base.config.eos_token_id, base.tokenizer.pad_token_id or 0
+    histories: list[list[dict]] = [[] for _ in items]
     done, t0 = [], time.time()
-    for name, items in sets.items():
-        for it in items:
-            history: list[dict] = []
-            for turn, text in enumerate(it["turns"]):
-                history.append({"role": "user", "content": text})
-                ids = render_chat(base.tokenizer, history)
-                x = torch.tensor([ids], device=base.device)
-                seq = base.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                          do_sample=False, eos_token_id=eos, pad_token_id=base.tokenizer.pad_token_id or 0)
-                answer = _cut_at_eos(seq[0, len(ids):].tolist(), eos)
-                done.append({"set": name, "id": str(it["id"]),
-                             "turn": turn, "prompt": ids, "reference": answer})
-                history.append({"role": "assistant", "content": base.tokenizer.decode(answer, skip_special_tokens=True)})
-        print(f"[identity] reference: {name} ({len(items)} prompts) after {time.time() - t0:.0f} s", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
+    for turn in range(max(len(it["turns"]) for _, it in items)):
+        rows = [i for i, (_, it) in enumerate(items) if turn < len(it["turns"])]
+        for start in range(0, len(rows), batch):
+            chunk = rows[start : start + batch]
+            prompts = []
+            for i in chunk:
+                histories[i].append({"role": "user", "content": items[i][1]["turns"][turn]})
+                prompts.append(render_chat(base.tokenizer, histories[i]))
+            width = max(map(len, prompts))
+            x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=base.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=base.device)
+            seq = base.model.generate(x, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=pad)
+            for i, p, row in zip(chunk, prompts, seq[:, width:].tolist()):
+                answer = _cut_at_eos(row, eos)
+                name, it = items[i]
+                done.append({"set": name, "id": str(it["id"]), "turn": turn, "prompt": p, "reference": answer})
+                histories[i].append({"role": "assistant",
+                                     "content": base.tokenizer.decode(answer, skip_special_tokens=True)})
+            print(f"[identity] reference: turn {turn}, {start + len(chunk)}/{len(rows)} after {time.time() - t0:.0f} s",
+                  flush=True)
+    cache.mkdir(parents=True, exist_ok=True)
     write_json(path, {"key": key, "contexts": done})
     return done
 
@@ -93,7 +105,6 @@ def methods(drafters: list[str], base: Base, max_new: int, lookup: int) -> list[
         name = Path(path).parent.name if Path(path).name == "drafter" else Path(path).name
         name = type(d).__name__.lower() + f" ({name})"
         out += [(f"{name} chain γ=1", d, SamplerConfig(max_new_tokens=max_new, gamma=1)),
-                (f"{name} chain γ=4", d, SamplerConfig(max_new_tokens=max_new, gamma=4)),
                 (f"{name} dynamic tree", d, SamplerConfig(max_new_tokens=max_new, tree="dynamic", dynamic_by_cost=True)),
                 (f"{name} chain γ=1 + lookup", d, SamplerConfig(max_new_tokens=max_new, gamma=1, lookup_tokens=lookup))]
     return out
@@ -107,10 +118,14 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=8)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where it is built")
     ap.add_argument("--out", type=Path, default=None, help="default: experiments/results/identity/<cpu>")
+    ap.add_argument("--render", action="store_true", help="only rewrite identity.md from the identity.json in --out")
     args = ap.parse_args()
     out = args.out or ROOT / "experiments/results/identity" / cpu_label()
+    if args.render:
+        write_text(out / "identity.md", render(json.loads((out / "identity.json").read_text())))
+        return
     base = load_base()
-    todo = contexts(base, args.limit, args.max_new_tokens, out)
+    todo = contexts(base, args.limit, args.max_new_tokens, Path("~/.cache/specdec/identity").expanduser())
     engine = build(device=base.device)  # (after the reference: nothing it builds can touch the reference's decode)
     eos = base.config.eos_token_id
 
@@ -133,7 +148,8 @@ def main() -> None:
     report = {"command": "python experiments/identity.py " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "base": base.name,
               "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d"),
-              "sets": {s: sum(c["set"] == s for c in todo) for s in ("humaneval", "question")}, "methods": results}
+              "sets": {s: sum(c["set"] == s for c in todo) for s in ("humaneval", "question")},
+              "reference": "HF generate, float32, stock PyTorch, batches of 16 left-padded", "methods": results}
     write_json(out / "identity.json", report)
     write_text(out / "identity.md", render(report))
     print(render(report))
@@ -155,17 +171,19 @@ def _compare(base, name, todo, decode, eos, computes) -> dict:
 def render(r: dict) -> str:
     lines = ["# Greedy identity against HF generate (float32, unpatched)", "",
              f"- **Command**: `{r['command']}`", f"- **Machine**: {r['cpu']}, {r['threads']} threads, torch {r['torch']}",
-             f"- **Date**: {r['date']}", "- **Contexts**: " + ", ".join(f"{n} {s}" for s, n in r["sets"].items()) +
+             f"- **Date**: {r['date']}", f"- **Reference**: {r.get('reference', 'HF generate, float32')}",
+             "- **Contexts**: " + ", ".join(f"{n} {s}" for s, n in r["sets"].items()) +
              f" (every turn), up to {r['max_new_tokens']} tokens each", "",
-             "| method | computes | identical | mismatches | their margins (reference top-1 − top-2 logit) | "
-             "positions | their token's rank |", "|---|---|---|---|---|---|---|"]
+             "| method | computes | identical | mismatches | median margin | the smallest margins (reference top-1 − "
+             "top-2 logit) | first positions | their token's rank |", "|---|---|---|---|---|---|---|---|"]
     for m in r["methods"]:
         mm = m["mismatches"]
         margins = ", ".join(f"{x['margin']:.3g}" for x in sorted(mm, key=lambda x: x["margin"])[:12]) or "—"
         positions = ", ".join(str(x["pos"]) for x in mm[:12]) or "—"
         ranks = ", ".join(str(x["their_rank"]) for x in mm[:12]) or "—"
-        lines.append(f"| {m['method']} | {m['computes']} | {m['identical']}/{m['contexts']} | {len(mm)} | {margins} | "
-                     f"{positions} | {ranks} |")
+        median = f"{statistics.median(x['margin'] for x in mm):.3g}" if mm else "—"
+        lines.append(f"| {m['method']} | {m['computes']} | {m['identical']}/{m['contexts']} | {len(mm)} | {median} | "
+                     f"{margins} | {positions} | {ranks} |")
     lines += ["", "A mismatch is the first position where a method's answer parts from the reference's; its margin is "
               "the reference's top-1 minus top-2 logit there (a near-tie reads near 0: rounding decides it), its rank "
               "the place the reference gives the method's token (1: the runner-up). The margins are sorted and "
