@@ -18,8 +18,8 @@ from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, 
 NAME = "eagle3_vs_prophet"
 RECIPES = ("eagle3", "prophet")  # each is evaluate's method name, its recipe and its training run's dir
 # what both trainings share, over their recipes: the cache, the budget and the optimiser
-SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete_eagle3", "data.batch_size=8", "trainer.max_steps=300",
-          "trainer.max_time=00:00:30:00", "trainer.val_check_interval=100", "trainer.limit_val_batches=8",
+SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete_eagle3", "data.batch_size=8", "trainer.max_steps=100",
+          "trainer.max_time=00:00:30:00", "trainer.val_check_interval=50", "trainer.limit_val_batches=8",
           "trainer.log_every_n_steps=10", "module.optimizer.lr=2e-3", "module.scheduler.num_warmup_steps=30",
           "drafter.draft_vocab_size=8192", "logger=csv"]
 
