@@ -47,7 +47,7 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, tuple[Future, object]]:
     pool.shutdown(cancel_futures=True)
 
 
-LONG = {"drafters", "medusa_heads"}  # their smoke runs take 40-45 s here: make test-long
+LONG = {"drafters", "medusa_heads", "leviathan"}  # their smoke runs take 40-45 s here: make test-long
 
 
 @pytest.mark.parametrize("table", [pytest.param(t, marks=pytest.mark.long) if t in LONG else t for t in TABLES])
