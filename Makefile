@@ -36,7 +36,8 @@ upgrade:
 
 # llama.cpp's C++ tools (llama-server, llama-bench, ...) from the llama.cpp inside PyPI's llama-cpp-python sdist, for
 # this CPU without AMX (experiments/peers/build_llama_cpp.sh says why): the peer every speed claim stands beside.
-# About 10-20 min on 2 cores, once; into .peers/. make demo and make bench use it; the tests that need it skip without.
+# About 8 min on 2 cores (447 s on a Zen 4 EPYC), once; into .peers/. make demo and make bench use it; the tests that
+# need it skip without.
 peers: setup
 	bash experiments/peers/build_llama_cpp.sh
 	# (its converter, run by python -m specdec.export --to gguf, reads a BPE tokenizer through sentencepiece's import)
