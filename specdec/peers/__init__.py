@@ -1,0 +1,1 @@
+"""llama.cpp and other engines beside ours, as peers of an evaluation."""

@@ -4,8 +4,8 @@ the same threads, fed the same prompt token ids.
 Why the server and not llama-cpp-python in process: one build gives every llama.cpp decoder a user would run (plain,
 its n-gram speculation, a draft model, an EAGLE-3 drafter), each a server flag; the prompt goes in as token ids and the
 answer comes back as token ids, so no tokenizer stands between the two sides; and the time a request costs beyond
-llama.cpp's own compute is one HTTP round trip on loopback per answer (`check_against_bench` in experiments/bench_ar.py
-measures it against `llama-bench`).
+llama.cpp's own compute is one HTTP round trip on loopback per answer (`make bench` compares the server's decode rate
+with `llama-bench`'s own: within 10 %, the peer is not handicapped by its wrapper).
 """
 
 from __future__ import annotations
