@@ -29,7 +29,8 @@ if [[ ! -d $src ]]; then
   [[ -f $PEERS/llama_cpp_python-$VERSION.tar.gz ]] || python3 -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$PEERS"
   tar -xzf "$PEERS/llama_cpp_python-$VERSION.tar.gz" -C "$PEERS"
 fi
-cmake -S "$src/vendor/llama.cpp" -B "$src/build" -G Ninja "${flags[@]}" >"$PEERS/cmake.log"
+generator=(); command -v ninja >/dev/null && generator=(-G Ninja)  # (else cmake's default, make)
+cmake -S "$src/vendor/llama.cpp" -B "$src/build" "${generator[@]}" "${flags[@]}" >"$PEERS/cmake.log"
 cmake --build "$src/build" -j "$JOBS" --target llama-bench llama-server llama-lookup llama-speculative-simple \
     llama-cli llama-tokenize >"$PEERS/build.log"
 mkdir -p "$PEERS/bin"
