@@ -32,6 +32,7 @@ from specdec.checkpoint import load_drafter, write_json, write_text  # noqa: E40
 from specdec.data.prompts import humaneval, question_jsonl, render_chat  # noqa: E402
 from specdec.engines import build  # noqa: E402
 from specdec.engines.measure import cpu_label, cpu_model  # noqa: E402
+from specdec.evaluation import _cut_at_eos  # noqa: E402  (EOS counted as a generated token, as everywhere)
 from specdec.sampling.config import SamplerConfig  # noqa: E402
 from specdec.sampling.decode import generate  # noqa: E402
 from specdec.sampling.lookup import fresh_counts  # noqa: E402
@@ -189,14 +190,6 @@ def render(r: dict) -> str:
               "the place the reference gives the method's token (1: the runner-up). The margins are sorted and "
               "at most 12 shown; identity.json lists every mismatch."]
     return "\n".join(lines) + "\n"
-
-
-def _cut_at_eos(tokens: list[int], eos) -> list[int]:
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
 
 
 if __name__ == "__main__":

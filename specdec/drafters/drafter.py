@@ -323,6 +323,20 @@ class NodeTable:
         self.count = max(self.count, need)
 
 
+def unroll_mask(t: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive attention mask of a feature drafter's training unroll over T positions (the prophet's, EAGLE-3's
+    training-time test), keys laid out as [sink + step 0's T entries | step 1's T | … | step `step`'s T]:
+    step 0 is causal over the sink and the real entries -> [T+1, T+1]; at step j ≥ 1 the chain at t sees step 0's
+    slots 0..t+1 (the sink and the real entries ≤ t) and its own key in each of the steps 1..j -> [T, T+1 + j·T]."""
+    if step == 0:
+        allowed = torch.ones(t + 1, t + 1, dtype=torch.bool, device=device).tril()
+    else:
+        real = torch.ones(t, t + 1, dtype=torch.bool, device=device).tril(diagonal=1)  # [T, T+1]
+        own = torch.eye(t, dtype=torch.bool, device=device)  # [T, T]: one key per chain per step
+        allowed = torch.cat([real] + [own] * step, dim=1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def newest(h: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
     """h [B, n, ...] (an `observe`'s features) at each row's newest committed position n_new - 1 -> [B, ...]. One row
     has no padding (`observe`'s contract): its last, a view, where the index is three ops (~15 µs a round on a 2-core

@@ -25,7 +25,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdec.base import Base, Features, cache_arg
-from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import (DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head,
+                                      unroll_mask)
 
 STORE = "eagle3"  # the drafter-private KV store in the sampler's DraftContext
 POSITION_OFFSET = -1  # slot s holds the entry of position s-1
@@ -132,19 +133,12 @@ class Eagle3(Drafter):
 
         # step 0 over [sink, (g_0, x_1), …, (g_{T-1}, x_T)] at positions -1..T-1, causal
         x0 = self.step_input(torch.cat([g.new_zeros(b, 1, hs), g], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
-        neg = torch.finfo(x0.dtype).min
-        causal = torch.ones(t + 1, t + 1, dtype=torch.bool, device=dev).tril()
-        mask = torch.zeros(t + 1, t + 1, dtype=x0.dtype, device=dev).masked_fill_(~causal, neg)
+        mask = unroll_mask(t, 0, x0.dtype, dev)
         cache = DynamicCache()  # step 0's keys, then each later step's, in that order
         out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H]
         logits = [self.readout(out)]
-        # a chain-t query at step j sees step 0's slots 0..t+1 (the sink and the real entries ≤ t) and its own
-        # chain's key in each of the steps 1..j
-        real = torch.ones(t, t + 1, dtype=torch.bool, device=dev).tril(diagonal=1)  # [T, T+1]
-        own = torch.eye(t, dtype=torch.bool, device=dev)  # [T, T]
         for j in range(1, steps):
-            allowed = torch.cat([real] + [own] * j, dim=1)  # [T, T+1 + j·T]
-            mask = torch.zeros(allowed.shape, dtype=x0.dtype, device=dev).masked_fill_(~allowed, neg)
+            mask = unroll_mask(t, j, x0.dtype, dev)  # [T, T+1 + j·T]
             out = self._run(self.step_input(out, ahead(j + 1)), torch.arange(j, t + j, device=dev), mask, cache)
             logits.append(self.readout(out))
         return torch.stack(logits, dim=2)

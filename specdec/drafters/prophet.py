@@ -27,7 +27,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdec.base import LAST, Base, Features, cache_arg
-from specdec.drafters.drafter import ChainParts, DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.drafter import (ChainParts, DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput,
+                                      copy_lm_head, unroll_mask)
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
 POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
@@ -166,21 +167,14 @@ class Prophet(Drafter):
 
         # Step 0 over [sink, (h_0, x_1), …, (h_{T-1}, x_T)] at positions -1..T-1, causal.
         x0 = self.step_input(torch.cat([h.new_zeros(b, 1, hs), h], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
-        neg = torch.finfo(x0.dtype).min
-        causal = torch.ones(t + 1, t + 1, dtype=torch.bool, device=dev).tril()
-        mask = torch.zeros(t + 1, t + 1, dtype=x0.dtype, device=dev).masked_fill_(~causal, neg)
+        mask = unroll_mask(t, 0, x0.dtype, dev)
         cache = DynamicCache()  # the keys of step 0 and of every later step, in that order
         out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H] chain t, step 0
         hat, logit = self.readout(out)
         hats, logits = [hat], [logit]
 
-        # Keys a chain-t query may see at step j: step-0 slots 0..t+1 (sink + real entries ≤ t), then its own
-        # chain's entry in each of the steps 1..j (one key per chain per step: the identity pattern).
-        real = torch.ones(t, t + 1, dtype=torch.bool, device=dev).tril(diagonal=1)  # [T, T+1]
-        own = torch.eye(t, dtype=torch.bool, device=dev)  # [T, T]
         for j in range(1, steps):
-            allowed = torch.cat([real] + [own] * j, dim=1)  # [T, T+1 + j·T]
-            mask = torch.zeros(allowed.shape, dtype=x0.dtype, device=dev).masked_fill_(~allowed, neg)
+            mask = unroll_mask(t, j, x0.dtype, dev)  # [T, T+1 + j·T]
             x = self.step_input(hat, ahead(j + 1))  # [B, T, H]: ĥ_{t+j} (own prediction) with x_{t+j+1}
             out = self._run(x, torch.arange(j, t + j, device=dev), mask, cache)
             hat, logit = self.readout(out)
