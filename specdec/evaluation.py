@@ -28,7 +28,7 @@ from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.engines import EngineConfig, build
 from specdec.engines.measure import cpu_model
-from specdec.export import describe, gguf
+from specdec.export import describe, export, formats_of, gguf
 from specdec.export import load as load_drafter_dir
 from specdec.peers import llama_cpp
 from specdec.sampling.cost import chain_tau, forward_times, predicted_speedup
@@ -58,6 +58,7 @@ class Run:
     rounds: int = 0
     peer_drafted: int = 0  # a peer's own speculation, per answer (llama.cpp reports no rounds)
     peer_accepted: int = 0
+    peer_rounds: int = 0  # a peer's base forwards (HF assisted and prompt lookup: each verifies one draft)
 
 
 @dataclass
@@ -170,12 +171,13 @@ def _methods(cfg: DictConfig, base: Base, drafters: dict[str, Drafter], sampler:
     }
     for peer in cfg.peers:
         if peer in LLAMA_CPP_PEERS:
-            methods.append(_llama_cpp_method(cfg, base, sampler, peer, servers))
+            methods.append(_llama_cpp_method(cfg, base, sampler, peer, servers, drafters))
             continue
         if peer not in HF_PEERS:
             raise ValueError(f"unknown peer {peer!r}; known: {', '.join(HF_PEERS + LLAMA_CPP_PEERS)}")
         extra = _assistant(drafters, cfg.hf.get("assisted_tokens")) if peer == "hf_assisted" else hf[peer]
-        methods.append(Method(peer, _hf(base, sampler, extra), True, peer=True))
+        # HF's speculation reports no rounds; its base forwards are them (early exit drafts with the base itself)
+        methods.append(Method(peer, _hf(base, sampler, extra, count_rounds=peer != "hf_early_exit"), True, peer=True))
     return methods
 
 
@@ -210,29 +212,42 @@ def _ours(base: Base, drafter: Drafter | None, sampler: SamplerConfig, seed: int
     return run
 
 
-def _hf(base: Base, sampler: SamplerConfig, extra: dict) -> Callable:
+def _hf(base: Base, sampler: SamplerConfig, extra: dict, count_rounds: bool = False) -> Callable:
+    """HF `generate` with `extra` (an assistant, prompt lookup, ...). count_rounds: each Run also says how many
+    forwards of the base it took (a hook outside the timing's arithmetic: one counter increment per forward)."""
     eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
     sampling = {"do_sample": True, "temperature": sampler.temperature, "top_p": sampler.top_p,
                 "top_k": sampler.top_k or None} if sampler.temperature > 0 else {"do_sample": False}
 
     def run(prompts: list[list[int]]) -> list[Run]:
-        out = []
-        for p in prompts:  # HF assisted generation is batch 1
-            ids = torch.tensor([p], device=base.device)
-            t0 = _sync_time(base.device)
-            seq = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampler.max_new_tokens,
-                                      eos_token_id=eos, pad_token_id=base.tokenizer.pad_token_id or 0,
-                                      **sampling, **extra)
-            out.append(Run(_cut_at_eos(seq[0, len(p):].tolist(), eos), _sync_time(base.device) - t0))
+        out, forwards = [], [0]
+        hook = base.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) \
+            if count_rounds else None
+        try:
+            for p in prompts:  # HF assisted generation is batch 1
+                ids = torch.tensor([p], device=base.device)
+                forwards[0] = 0
+                t0 = _sync_time(base.device)
+                seq = base.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          max_new_tokens=sampler.max_new_tokens, eos_token_id=eos,
+                                          pad_token_id=base.tokenizer.pad_token_id or 0, **sampling, **extra)
+                out.append(Run(_cut_at_eos(seq[0, len(p):].tolist(), eos), _sync_time(base.device) - t0,
+                               peer_rounds=forwards[0]))
+        finally:
+            if hook is not None:
+                hook.remove()
         return out
 
     return run
 
 
-def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer: str, servers: ExitStack) -> Method:
+def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer: str, servers: ExitStack,
+                      drafters: dict[str, Drafter]) -> Method:
     """A llama.cpp peer: its server on the base's GGUF (the embedded base's own file unless llama_cpp.gguf names
     one), our threads, plain (`llama_cpp`), with its n-gram speculation (`llama_cpp_lookup`) or with a GGUF draft
-    model (`llama_cpp_draft`). Started here, outside every timing; `servers` stops it."""
+    model (`llama_cpp_draft`: llama_cpp.draft_gguf, else the first evaluated drafter that has a GGUF form, exported
+    into this run's folder, so that llama.cpp drafts with the very model our sampler runs). Started here, outside
+    every timing; `servers` stops it."""
     lc = cfg.llama_cpp
     base_file = lc.gguf or (smollm2_gguf_path() if base.name == SMOLLM2 else None)
     if base_file is None:
@@ -242,10 +257,11 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
     if peer == "llama_cpp_lookup":
         args += list(lc.lookup_args)
     elif peer == "llama_cpp_draft":
-        if not lc.draft_gguf:
-            raise ValueError("peer llama_cpp_draft needs a drafter as GGUF: llama_cpp.draft_gguf=<file or export dir> "
-                             "(python -m specdec.export <draft_model or eagle3 dir> --to gguf --out <dir>)")
-        args += [*gguf.server_args(lc.draft_gguf), *lc.draft_args]  # (an EAGLE-3 file: its speculation type)
+        draft = lc.draft_gguf or _export_gguf(drafters, Path(cfg.paths.output_dir) / "draft_gguf")
+        if draft is None:
+            raise ValueError("peer llama_cpp_draft needs a drafter as GGUF: a draft_model or eagle3 drafter in drafters=, "
+                             "or llama_cpp.draft_gguf=<file or export dir> (python -m specdec.export <dir> --to gguf)")
+        args += [*gguf.server_args(draft), *lc.draft_args]  # (an EAGLE-3 file: its speculation type)
     server = servers.enter_context(llama_cpp.LlamaServer(base_file, torch.get_num_threads(), args, ctx=lc.ctx))
     eos = base.config.eos_token_id if sampler.eos_token_id is None else sampler.eos_token_id
 
@@ -262,6 +278,15 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
     # Its greedy tokens are its own model's: weights in Q4_1 as ours, but activations rounded to 8 bits before every
     # product (ggml's q8_1 dot products), so they part from float32's where two logits are near.
     return Method(peer, run, True, peer=True, computes="llama.cpp's own: 8-bit activations")
+
+
+def _export_gguf(drafters: dict[str, Drafter], out: Path) -> Path | None:
+    """The first drafter with a GGUF form, written by llama.cpp's converter into `out`; None if none has one."""
+    for name, d in drafters.items():
+        if "gguf" in formats_of(d):
+            print(f"[specdec] llama_cpp_draft: {name} as GGUF -> {out}")
+            return export(d, "gguf", out, source=name)
+    return None
 
 
 def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict[str, list[list[Run]]],
@@ -384,10 +409,15 @@ def _tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, 
             alpha = sum(r.peer_accepted for r in flat) / sum(r.peer_drafted for r in flat)
         depth = max(accepted, default=0)
         reach = [sum(a >= i for a in accepted) for i in range(depth + 1)]
+        tau = (sum(accepted) + len(accepted)) / len(accepted) if accepted else (1.0 if m.name == AR else float("nan"))
+        if not accepted and sum(r.peer_rounds for r in flat):
+            # a peer's tokens per base forward: its first forward verifies a draft after the prompt, where ours
+            # prefills alone, so on n tokens it reads n/R against our (n-1)/R
+            tau = sum(len(r.tokens) for r in flat) / sum(r.peer_rounds for r in flat)
         row = {
             "method": m.name,
             "lossless": m.lossless,
-            "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else (1.0 if m.name == AR else float("nan")),
+            "tau": tau,
             "draft_len": sum(drafted) / len(drafted) if sum(drafted) else float("nan"),  # mean γ_s (adaptive: < γ)
             "alpha": alpha,
             "tok_per_s": mean,

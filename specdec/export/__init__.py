@@ -54,7 +54,7 @@ def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path
         raise CheckpointError(f"unknown format {to!r}; formats: {', '.join(FORMATS)}")
     fmt = FORMATS[to]
     if not _of(drafter, fmt):  # (the exact family: a subclass may hold more than the format can say)
-        have = [n for n, f in FORMATS.items() if _of(drafter, f)]
+        have = formats_of(drafter)
         raise CheckpointError(
             f"a {type(drafter).__name__.lower()} drafter has no {to} form; "
             + (f"its formats: {', '.join(have)}" if have else
@@ -64,6 +64,11 @@ def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path
     out.mkdir(parents=True, exist_ok=True)
     fmt.write(drafter, out, source)
     return out
+
+
+def formats_of(drafter: Drafter) -> list[str]:
+    """The formats `drafter` exports to ([] for a family no engine loads)."""
+    return [n for n, f in FORMATS.items() if _of(drafter, f)]
 
 
 def _of(drafter: Drafter, fmt: Format) -> bool:

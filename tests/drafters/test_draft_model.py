@@ -191,6 +191,8 @@ def test_evaluate_with_hf_assisted_beside_the_same_draft_model(tmp_path, hf_dir)
     assert list(rows) == ["ar (ours)", "draftmodel", f"draft_model:{hf_dir.name}", "hf_assisted"]
     assert all(r["greedy_identical"] for r in rows.values())  # T = 0: every lossless method is plain greedy
     assert rows["draftmodel"]["draft_len"] == 3.0 and rows["draftmodel"]["tau"] >= 1.0
+    # HF's τ: its tokens per base forward, counted by a hook; 10 tokens, at most 3 drafts + 1 a forward
+    assert 10 / 10 <= rows["hf_assisted"]["tau"] <= 10 / 3
     assert "| draft len |" in (tmp_path / "eval" / "report.md").read_text()
     with pytest.raises(ValueError, match="hf_assisted needs a draft model"):
         evaluate(_eval_cfg(tmp_path, questions, ["peers=[hf_assisted]", "overwrite=true"]))

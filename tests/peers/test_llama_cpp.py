@@ -23,7 +23,7 @@ def _cfg(tmp_path, overrides):
 def test_a_base_without_a_gguf_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"peer llama_cpp needs the base as a GGUF file: llama_cpp.gguf="):
         evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp]", "prompts.limit=1"]))
-    with pytest.raises(ValueError, match=r"peer llama_cpp_draft needs a drafter as GGUF: llama_cpp.draft_gguf="):
+    with pytest.raises(ValueError, match=r"peer llama_cpp_draft needs a drafter as GGUF: a draft_model or eagle3 "):
         evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp_draft]", "llama_cpp.gguf=base.gguf", "prompts.limit=1"]))
     with pytest.raises(ValueError, match=r"known: .*llama_cpp_lookup"):
         evaluate(_cfg(tmp_path, ["base=tiny", "peers=[llama_cpp_turbo]", "prompts.limit=1"]))
@@ -91,6 +91,23 @@ def test_our_drafters_run_as_llama_cpp_draft_models(tmp_path, family):
     with llama_cpp.LlamaServer(smollm2_gguf_path(), threads=2, args=gguf.server_args(out)) as server:
         c = server.complete(prompt, 24)
     assert len(c.tokens) > 0 and c.drafted > 0
+
+
+@needs_build
+@pytest.mark.long
+def test_the_evaluated_draft_model_drafts_in_llama_cpp_too(tmp_path):
+    """peers=[llama_cpp_draft] without a GGUF: the evaluated draft model is exported into the run's folder, so that
+    llama.cpp drafts with the very model our sampler runs, and reports what it accepted."""
+    from specdec.base import load_base
+    from specdec.checkpoint import save_drafter
+    from specdec.drafters.draft_model import DraftModel
+
+    save_drafter(DraftModel(load_base(device="cpu"), num_layers=2), tmp_path / "dm")
+    report = evaluate(_cfg(tmp_path, [f"drafters=[{tmp_path}/dm]", "peers=[llama_cpp_draft]", "prompts.limit=1",
+                                      "sampler.max_new_tokens=24", "identity_reference=false"]))
+    rows = {r["method"]: r for r in report["rows"]}
+    assert (tmp_path / "eval" / "draft_gguf" / "drafter.gguf").exists()
+    assert 0 <= rows["llama_cpp_draft"]["alpha"] <= 1  # (nan had it drafted nothing)
 
 
 @needs_build
