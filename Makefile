@@ -120,9 +120,11 @@ features: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features
 
 # The cache the recipes train from: every completion-format answer shipped, greedy and sampled (configs/data/
-# completions.yaml; 1.38M tokens, ~48 min on 2 cores, resumable, a finished cache is only checked).
+# completions.yaml; 1.38M tokens, ~20 min on 2 idle cores, resumable, a finished cache is only checked), with the
+# layers every recipe reads: the last and 8 (the prophet's fusion), the inputs of 2, 15 and 29 (the EAGLE-3 recipe's
+# low, middle and high).
 features-completions: setup
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features data=completions \
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features data=completions 'layers=[-1,2,8,15,29]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_all' hydra.run.dir=logs/features/stdlib_complete_all
 
 # The paper tables on the embedded default, one after another (each: python experiments/<table>.py). leviathan,
@@ -131,7 +133,7 @@ features-completions: setup
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
 # answer (features-completions).
 TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model
-tables: setup features-completions
+tables: setup peers features-completions
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[2,4,8,12,16]' \

@@ -3,8 +3,7 @@ the prophet (EAGLE-1-shaped: the last layer fused with one inner layer, a featur
 (configs/experiment/recipe/{eagle3,prophet}.yaml) from ONE feature cache for the same steps, batch, lr and schedule,
 then measured in one evaluation as a chain of 4 and as an 11-node tree against one AR loop each.
 
-    python -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[-1,2,8,15,27]' \\
-        out_dir='${paths.cache_dir}/features/stdlib_complete_eagle3'      # the cache, once (resumable)
+    make features-completions      # the recipes' cache, once (resumable): layers -1, 2, 8, 15, 27
     python experiments/eagle3_vs_prophet.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, 
 NAME = "eagle3_vs_prophet"
 RECIPES = ("eagle3", "prophet")  # each is evaluate's method name, its recipe and its training run's dir
 # what both trainings share, over their recipes: the cache, the budget and the optimiser
-SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete_eagle3", "data.batch_size=8", "trainer.max_steps=100",
+SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete_all", "data.batch_size=8", "trainer.max_steps=100",
           "trainer.max_time=00:00:30:00", "trainer.val_check_interval=50", "trainer.limit_val_batches=8",
           "trainer.log_every_n_steps=10", "module.optimizer.lr=2e-3", "module.scheduler.num_warmup_steps=30",
           "drafter.draft_vocab_size=8192", "logger=csv"]
@@ -72,8 +71,10 @@ def main(argv: list[str] | None = None) -> Path:
     failed = []
     if not args.render:
         for recipe in RECIPES:  # one run each, the recipe's own settings under the shared ones
+            # (the tiny base has no layer 29: the family's default layers there)
+            own = ["drafter.aux_layers=null"] if args.smoke and recipe == "eagle3" else []
             failed += _run("train.py", f"experiment=recipe/{recipe}",
-                           [*both, *train, f"hydra.run.dir={root}/train/{recipe}", f"task_name={NAME}"])
+                           [*both, *train, *own, f"hydra.run.dir={root}/train/{recipe}", f"task_name={NAME}"])
         failed += _run("evaluate.py", f"experiment={NAME}/eval", [*both, *evals])
     out = root / "table" if args.smoke else ROOT / "experiments" / "results" / NAME
     command = " ".join(["python", f"experiments/{NAME}.py", *(["--smoke"] if args.smoke else []),

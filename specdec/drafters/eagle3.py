@@ -13,7 +13,8 @@ a reduced draft vocabulary, trained by training-time test (TTT) with no feature 
 
 Layout (the prophet's, shared with the sampler): slot s holds the entry (g_{s-1}, x_s) at rotary position s-1; slot 0
 is a "sink" entry with a zero feature, (0, x_0), which training carries too so that both see the same keys. The token
-embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows.
+embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows, and the
+layer starts as a copy of the base layer whose input is the highest fused one (`_init_from_base`).
 """
 
 from __future__ import annotations
@@ -86,11 +87,38 @@ class Eagle3(Drafter):
         self.draft_vocab = DraftVocab(base, draft_vocab_size)
         self.lm_head = copy_lm_head(base, draft_vocab_size)  # rows set from the base's with the vocab (set_draft_vocab)
         self.norm.weight.data.copy_(base.norm.weight.detach())
+        self._init_from_base()
         self.to(device=base.device, dtype=base.dtype)
         self.ttt_steps = ttt_steps
         self.target_offsets = list(range(1, ttt_steps + 1))
         self.head_names = [f"step{j}" for j in range(1, ttt_steps + 1)]
         self.max_depth = None
+
+    @torch.no_grad()
+    def _init_from_base(self) -> None:
+        """A fresh drafter starts as the base's own layer `aux_layers[-1]` run on the highest fused layer: fc passes
+        a^{high} through (its third of the input), the layer's g-half of q/k/v, o_proj, MLP and norms are that base
+        layer's, and the token half of q/k/v starts at zero. Step 0 then computes about what the base computes next
+        from a^{high} (its attention reads the drafter's own keys, one per committed position, as the base layer
+        does, plus the zero sink), so with a^{high} the input of the base's last layer its logits start near the
+        base's own next-token distribution: the starting point of the prophet's identity initialisation, and of
+        the draft model's copied layers; from random weights a short run leaves EAGLE-3 well behind the prophet.
+        Only the starting point: the architecture and what an engine loads are EAGLE-3's."""
+        h = self.fc.out_features
+        src = self.base.layers[self.aux_layers[-1]]
+        layer = self.layers[0]
+        self.fc.weight.zero_()
+        self.fc.weight[:, 2 * h :].copy_(torch.eye(h))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            mine, theirs = getattr(layer.self_attn, name), getattr(src.self_attn, name)
+            mine.weight.zero_()
+            mine.weight[:, h:].copy_(theirs.weight)  # [out, 2H]: the emb half, then the g half
+            if mine.bias is not None:
+                mine.bias.copy_(theirs.bias)
+        layer.self_attn.o_proj.load_state_dict(src.self_attn.o_proj.state_dict())
+        layer.mlp.load_state_dict(src.mlp.state_dict())
+        layer.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
+        layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
 
     # -- pieces shared by training and sampling ----------------------------------------------------------------
     def real_feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:

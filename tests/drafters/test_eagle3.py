@@ -52,6 +52,21 @@ def test_layers_names_and_shapes(base):
     assert (d.d2t() + torch.arange(64) == d.draft_vocab.tokens).all() and d.t2d().sum() == 64
 
 
+def test_a_fresh_drafter_starts_as_the_base_layer_on_its_highest_input(base):
+    # aux_layers[-1] = 3 is the input of the tiny base's last layer: step 0 then computes about the base's own
+    # next-token distribution (its attention reads one key per committed position, as the base does, plus the sink)
+    d = Eagle3(base, ttt_steps=2, draft_vocab_size=base.vocab_size, aux_layers=AUX)
+    src, layer = base.layers[AUX[-1]], d.layers[0]
+    h = base.hidden_size
+    assert torch.equal(layer.self_attn.q_proj.weight[:, h:], src.self_attn.q_proj.weight)
+    assert not layer.self_attn.q_proj.weight[:, :h].any()  # the token half starts at zero
+    assert torch.equal(layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
+    ids, feats = data(base, d, batch=4)
+    step0 = d.forward_train(feats, ids).logits[:, :, 0]  # [B, T, V]
+    tv = (step0.softmax(-1) - feats.logits.softmax(-1)).abs().sum(-1).mean()  # 0.007 on this base
+    assert tv < 0.05, tv
+
+
 def test_refuses_layers_outside_the_base(base):
     with pytest.raises(ValueError, match="three inner base layers"):
         Eagle3(base, aux_layers=[1, 2, 4])
