@@ -20,8 +20,7 @@ def build(root):
         tokens = metrics.get("val/train_tokens")
         r = method_row(report, "draftmodel")
         lev = r.get("leviathan", {})
-        peer = lambda name: next((x for x in report["rows"] if x["method"] == name), {})  # noqa: E731
-        hf, lc, lc_draft = peer("hf_assisted"), peer("llama_cpp"), peer("llama_cpp_draft")
+        hf, lc, lc_draft = (method_row(report, p, {}) for p in ("hf_assisted", "llama_cpp", "llama_cpp_draft"))
         rows.append({"layers": layers, "params": run.get("trainable_params"),
                      "tokens": None if tokens is None else int(tokens), "val_top1": metrics.get("val/draft_top1"),
                      "val_tau": metrics.get("val/expected_tau"), "alpha": r["alpha"],

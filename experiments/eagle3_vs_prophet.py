@@ -3,7 +3,7 @@ the prophet (EAGLE-1-shaped: the last layer fused with one inner layer, a featur
 (configs/experiment/recipe/{eagle3,prophet}.yaml) from ONE feature cache for the same steps, batch, lr and schedule,
 then measured in one evaluation as a chain of 4 and as an 11-node tree against one AR loop each.
 
-    make features-completions      # the recipes' cache, once (resumable): layers -1, 2, 8, 15, 27
+    make features-completions      # the recipes' cache, once (resumable): layers -1, 2, 8, 15, 29
     python experiments/eagle3_vs_prophet.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import platform
 import re
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -220,25 +220,32 @@ def _hf(base: Base, sampler: SamplerConfig, extra: dict, count_rounds: bool = Fa
                 "top_k": sampler.top_k or None} if sampler.temperature > 0 else {"do_sample": False}
 
     def run(prompts: list[list[int]]) -> list[Run]:
-        out, forwards = [], [0]
-        hook = base.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) \
-            if count_rounds else None
-        try:
+        out = []
+        with _counting_forwards(base.model if count_rounds else None) as forwards:
             for p in prompts:  # HF assisted generation is batch 1
                 ids = torch.tensor([p], device=base.device)
-                forwards[0] = 0
+                before = forwards[0]
                 t0 = _sync_time(base.device)
                 seq = base.model.generate(ids, attention_mask=torch.ones_like(ids),
                                           max_new_tokens=sampler.max_new_tokens, eos_token_id=eos,
                                           pad_token_id=base.tokenizer.pad_token_id or 0, **sampling, **extra)
                 out.append(Run(_cut_at_eos(seq[0, len(p):].tolist(), eos), _sync_time(base.device) - t0,
-                               peer_rounds=forwards[0]))
-        finally:
-            if hook is not None:
-                hook.remove()
+                               peer_rounds=forwards[0] - before))
         return out
 
     return run
+
+
+@contextmanager
+def _counting_forwards(model: torch.nn.Module | None):
+    """Yields [n]: how many times `model`'s forward has run inside the block (stays 0 for None)."""
+    n = [0]
+    hook = model.register_forward_hook(lambda *_: n.__setitem__(0, n[0] + 1)) if model is not None else None
+    try:
+        yield n
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer: str, servers: ExitStack,

@@ -126,8 +126,13 @@ def drafter_runs(report: dict) -> dict[str, dict]:
     return runs
 
 
-def method_row(report: dict, method: str) -> dict:
-    return next(r for r in report["rows"] if r["method"] == method)
+_REQUIRED = object()
+
+
+def method_row(report: dict, method: str, default: dict | object = _REQUIRED) -> dict:
+    """The report's row of `method`; `default` where it did not run (a peer left out), else StopIteration."""
+    rows = (r for r in report["rows"] if r["method"] == method)
+    return next(rows) if default is _REQUIRED else next(rows, default)
 
 
 def val_curve(root: Path, run: str, key: str) -> tuple[list[int], list[float]]:
