@@ -102,7 +102,8 @@ class Eagle3(Drafter):
         from a^{high} (its attention reads the drafter's own keys, one per committed position, as the base layer
         does, plus the zero sink), so with a^{high} the input of the base's last layer its logits start near the
         base's own next-token distribution: the starting point of the prophet's identity initialisation, and of
-        the draft model's copied layers; from random weights a short run leaves EAGLE-3 well behind the prophet.
+        the draft model's copied layers. From random weights a short run leaves EAGLE-3 well behind the prophet;
+        from this start it ties the prophet at 600 steps (experiments/pages/eagle3_vs_prophet.md).
         Only the starting point: the architecture and what an engine loads are EAGLE-3's."""
         h = self.fc.out_features
         src = self.base.layers[self.aux_layers[-1]]
