@@ -27,10 +27,10 @@ SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete_all", "data.bat
 def paired(report: dict) -> str:
     """The per-prompt τ difference eagle3 − prophet of one evaluation (the same prompts, so paired): its mean ± standard
     error and on how many prompts eagle3 drafted more; the spread a difference of the means is to be read against."""
-    try:
-        e, p = ([q["tau"] for q in method_row(report, m)["per_prompt"]] for m in RECIPES)
-    except StopIteration:
+    rows = [method_row(report, m, None) for m in RECIPES]
+    if None in rows:  # a recipe whose evaluation did not run
         return ""
+    e, p = ([q["tau"] for q in r["per_prompt"]] for r in rows)
     d = [a - b for a, b in zip(e, p)]
     if len(d) < 2:
         return ""
