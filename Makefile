@@ -112,7 +112,7 @@ DISTILL_ENGINE ?= specdec
 distill-general: setup
 	$(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
 	    +prompts.count=$(GENERAL_REQUESTS) '+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
-	    limit=null engine=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
+	    limit=null backend=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
 	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP)
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached

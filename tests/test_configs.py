@@ -3,6 +3,8 @@ airtight configs) without building anything."""
 
 import importlib
 import inspect
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,22 @@ def test_default_train_config_resolves(tmp_path):
     OmegaConf.resolve(cfg)
     assert cfg.optimized_metric == "val/expected_tau"
     assert _check_targets(cfg, "train") >= 6
+
+
+@pytest.mark.parametrize("target", ["distill", "distill-general"])
+def test_makefile_distill_commands_compose(target: str):
+    """The overrides each `make distill*` recipe passes compose with distill.yaml, the openai backend's included
+    (a key named like a config group cannot be overridden from the command line: Hydra reads it as the group)."""
+    root = CONFIGS.parent
+    dry = subprocess.run(["make", "-n", "-B", target, "DISTILL_ENGINE=openai"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.replace("\\\n", " ")  # a recipe's continued lines as one
+    commands = [shlex.split(line) for line in dry.splitlines() if "-m specdec.data.distill" in line]
+    assert commands, dry
+    for argv in commands:
+        overrides = [a for a in argv[argv.index("specdec.data.distill") + 1 :] if not a.startswith("hydra.")]
+        with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+            cfg = compose("distill", overrides=overrides)
+        assert cfg.backend in ("specdec", "openai")
+        _check_targets(cfg.decode_engine, f"{target}: decode_engine")
+    if target == "distill-general":
+        assert cfg.backend == "openai" and cfg.prompts._target_ == "specdec.data.magpie.requests"

@@ -8,7 +8,7 @@ Layout of `out_dir`:
         id, messages (prompt turns + the assistant's response), prompt, response, response_tokens, finished,
         temperature, top_k, top_p, max_new_tokens, seed, engine, base, base_sha256
 
-Run: python -m specdec.data.distill [limit=2000] [sampler.temperature=0.7] [engine=hf]
+Run: python -m specdec.data.distill [limit=2000] [sampler.temperature=0.7] [backend=hf]
 Train on it: python train.py data=distilled
 """
 
@@ -327,7 +327,7 @@ def _openai(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch
     from concurrent.futures import ThreadPoolExecutor
 
     if not base_url:
-        raise ValueError("engine=openai needs server.base_url=http://<host>:<port> (vLLM, SGLang or llama-server "
+        raise ValueError("the openai engine (backend=openai) needs server.base_url=http://<host>:<port> (vLLM, SGLang or llama-server "
                          "serving the base)")
     url = base_url.rstrip("/") + ("/completions" if base_url.rstrip("/").endswith("/v1") else "/v1/completions")
 
@@ -428,7 +428,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.start_from:
         restore(cfg.start_from, cfg.out_dir, shard_size=cfg.shard_size)
     distill(prompts, base, cfg.out_dir, sampler, batch_size=cfg.batch_size, limit=cfg.limit,
-            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.engine, max_shards=cfg.max_shards,
+            shard_size=cfg.shard_size, seed=cfg.seed, engine=cfg.backend, max_shards=cfg.max_shards,
             decode_engine=hydra.utils.instantiate(cfg.decode_engine),
             server=OmegaConf.to_container(cfg.server) if "server" in cfg else None)
     if cfg.ship_to:
