@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 THREADS ?= 2
 
-.PHONY: setup upgrade peers demo test test-long bench identity distill distill-general features features-completions tables clean
+.PHONY: setup upgrade peers demo test test-long bench identity distill distill-general features features-completions features-general tables clean
 
 setup: $(STAMP)
 
@@ -79,7 +79,8 @@ demo: setup $(if $(findstring llama_cpp,$(DEMO_PEERS)),peers)
 # in three parts: implement / explain / example requests (the 10 shortest shards of the first 6,000 prompts), every
 # bare-stub "complete" request (the completion format of code benchmarks, stdlib functions), then the same request
 # for the first METHOD_PROMPTS documented methods (complete_method); and a second file, sampled answers (T = 0.7,
-# top-p 0.95) to the completion requests of both kinds (the SAMPLED_SHARDS shards of the shortest prompts).
+# top-p 0.95) to the completion requests of both kinds (the SAMPLED_SHARDS shards of the shortest prompts); and a
+# third, general-domain requests the base writes itself with its answers (make distill-general, below).
 # Resumable; on a fresh machine it reproduces the shipped files (DISTILL_SHARDS=40, METHOD_PROMPTS=null or a larger
 # SAMPLED_SHARDS extend them; DISTILL_FROM=shipped starts from the shipped rows instead of generating them again).
 # Nobody needs it to train.
@@ -100,20 +101,23 @@ distill: setup
 	    sampler.temperature=0.7 sampler.top_p=0.95 'out_dir=$${paths.cache_dir}/distill/stdlib_complete_sampled' \
 	    hydra.run.dir=logs/distill/complete_sampled start_from=$(if $(filter shipped,$(DISTILL_FROM)),$(SAMPLED),null) \
 	    ship_to=$(SAMPLED) "ship_command='make distill SAMPLED_SHARDS=$(SAMPLED_SHARDS)'"
+	$(MAKE) distill-general
 
 # General-domain text the base writes itself (specdec/data/magpie.py): GENERAL_REQUESTS requests sampled from its chat
 # template up to an open user turn (T = 1; filtered: finished, length, English letters, exact and near duplicates,
 # no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
-# ~/.cache/specdec/distill/general (GENERAL_SHIP=<file.jsonl.gz> also writes the text and its manifest there).
+# ~/.cache/specdec/distill/general, then shipped as text with its manifest to GENERAL_SHIP (configs/data/general.yaml
+# reads it; GENERAL_SHIP=null ships nothing). A larger GENERAL_REQUESTS extends the set.
 # About 1.5 s a request on 2 cores; a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
 GENERAL_REQUESTS ?= 2000
-GENERAL_SHIP ?= null
+GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
 DISTILL_ENGINE ?= specdec
 distill-general: setup
 	$(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
 	    +prompts.count=$(GENERAL_REQUESTS) '+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
 	    limit=null backend=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
-	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP)
+	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP) \
+	    "ship_command='make distill-general GENERAL_REQUESTS=$(GENERAL_REQUESTS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup
@@ -127,13 +131,19 @@ features-completions: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features data=completions 'layers=[-1,2,8,15,29]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_all' hydra.run.dir=logs/features/stdlib_complete_all
 
+# The feature cache of the shipped general-domain text (configs/data/general.yaml; layers last and 8), which
+# experiments/general_domain.py mixes into a code cache (data.mix).
+features-general: setup
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features data=general \
+	    'out_dir=$${paths.cache_dir}/features/general' hydra.run.dir=logs/features/general
+
 # The paper tables on the embedded default, one after another (each: python experiments/<table>.py). leviathan,
 # medusa_heads, prophet_vs_early_exit, exit_layer and draft_model train their drafters by the recipes from the
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
-# answer (features-completions).
-TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model
-tables: setup peers features-completions
+# answer (features-completions); general_domain mixes in the general-domain text's (features-general).
+TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model general_domain
+tables: setup peers features-completions features-general
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[2,4,8,12,16]' \
