@@ -108,7 +108,8 @@ distill: setup
 # no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
 # ~/.cache/specdec/distill/general, then shipped as text with its manifest to GENERAL_SHIP (configs/data/general.yaml
 # reads it; GENERAL_SHIP=null ships nothing). A larger GENERAL_REQUESTS extends the set.
-# About 1.4 s a request on 2 cores (the shipped 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
+# About 1.4 s a request on 2 cores (the shipped 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai
+# at a server (docs/data.md).
 GENERAL_REQUESTS ?= 1000
 GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
 DISTILL_ENGINE ?= specdec
