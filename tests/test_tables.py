@@ -14,7 +14,7 @@ from conftest import ROOT
 
 # table -> rows its smoke variant must produce
 TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
-          "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2}
+          "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2, "general_domain": 4}
 FAILED_JOB = ("leviathan", "train:module.optimizer.lr=-1")  # every training job fails: AdamW refuses lr < 0
 
 

@@ -1,0 +1,106 @@
+"""Table `general_domain`: does the general-domain text the base writes itself (make distill-general) make a trained
+drafter useful off code? The demo's heads (configs/experiment/demo.yaml) trained twice for the same steps: on the
+completion-format code answers alone, and on those with the general-domain answers mixed in (data.mix); both drafting
+as make demo drafts, beside n-gram lookup alone and our AR loop, on HumanEval's reporting split and on the non-code
+experiments/prompts/question.jsonl, in one evaluation per prompt set.
+
+    make features-general          # the general-domain text's feature cache, once (resumable)
+    python -m specdec.data.features 'data.source.kinds=[complete]' out_dir='${paths.cache_dir}/features/stdlib_complete'
+    python experiments/general_domain.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _machine, _run, eval_reports,
+                            method_row, train_runs, write)
+
+NAME = "general_domain"
+# run dir -> what its training reads beyond the shared code cache; evaluate names the drafters hydra, hydra#1 in
+# the order eval.yaml lists them
+RUNS = {"code": [], "code_general": ["data.mix=[${paths.cache_dir}/features/general]"]}
+METHODS = {"code": "hydra", "code_general": "hydra#1"}
+SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete", "logger=csv", "trainer.max_time=00:00:30:00"]
+LOOKUP = "lookup (ours)"
+
+
+def build(root: Path) -> Table:
+    trained, reports = train_runs(root), eval_reports(root)
+    rows = []
+    for run, method in METHODS.items():
+        t = trained.get(run, {})
+        for prompts, report in reports.items():
+            heads, lookup = method_row(report, method, None), method_row(report, LOOKUP, None)
+            both = method_row(report, f"{method}+lookup", None)
+            if heads is None:
+                continue
+            rows.append({
+                "train": run.replace("_", " + "), "steps": t.get("global_step"),
+                "val_tau": t.get("metrics", {}).get("val/expected_tau"), "prompts": prompts,
+                "tau": heads["tau"], "alpha": heads.get("alpha"), "speedup": _spread(heads),
+                "vs_lookup": heads["speedup_vs_ar"] / lookup["speedup_vs_ar"] if lookup else None,
+                "lookup": _spread(lookup), "with_lookup": _spread(both)})
+
+    def plot(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        sets = list(reports)
+        for run in METHODS:
+            mine = {r["prompts"]: r for r in rows if r["train"] == run.replace("_", " + ")}
+            label = run.replace("_", " + ")
+            ax1.plot(sets, [mine.get(s, {}).get("tau") for s in sets], "o-", label=label)
+            ax2.plot(sets, [method_row(reports[s], METHODS[run], {}).get("speedup_vs_ar") for s in sets], "o-",
+                     label=label)
+        ax2.plot(sets, [method_row(reports[s], LOOKUP, {}).get("speedup_vs_ar") for s in sets], "k--", label="lookup")
+        ax1.set(xlabel="prompts", ylabel="τ", title="Heads alone: tokens per base forward")
+        ax2.axhline(1.0, color="k", lw=0.8)
+        ax2.set(xlabel="prompts", ylabel="speedup vs AR (ours)", title="Wall-clock speedup")
+        for ax in (ax1, ax2):
+            ax.legend()
+            ax.grid(alpha=0.3)
+
+    notes = [f"{job}: {r['header']['draft']}; prompts {r['header']['prompts']}, {r['header']['max_new_tokens']} new "
+             "tokens; speedups: mean ± standard deviation over the passes; heads × lookup: the ratio of their means."
+             for job, r in reports.items()]
+    return Table("The demo's heads trained on code alone and with the base's own general-domain answers", rows,
+                 {"train": "trained on", "steps": "steps", "val_tau": "val τ (predicted)",
+                  "prompts": "prompts", "tau": "τ", "alpha": "α", "speedup": "heads × AR (ours)",
+                  "vs_lookup": "heads × lookup", "lookup": "lookup × AR", "with_lookup": "heads + lookup × AR"},
+                 plot, notes)
+
+
+def _spread(row: dict | None) -> str | None:
+    """A method's speedup vs our AR as 'mean ± sd' over the evaluation's passes."""
+    return None if row is None else f"{row['speedup_vs_ar']:.2f} ± {row.get('speedup_vs_ar_sd') or 0:.2f}"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="the tiny base, seconds (what make test runs)")
+    ap.add_argument("--render", action="store_true", help="only rebuild the table from finished runs")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    both = [o for o in args.overrides if not o.startswith(("train:", "eval:"))]
+    train = [*SHARED, *(o.removeprefix("train:") for o in args.overrides if o.startswith("train:"))]
+    evals = [o.removeprefix("eval:") for o in args.overrides if o.startswith("eval:")]
+    if args.smoke:  # the tiny base trains on raw code both times (it has no feature caches)
+        train, evals = [*train, *SMOKE_TRAIN, *SMOKE_FROM_RAW_CODE], [*SMOKE_EVAL, *evals]
+    log_dir = next((o.split("=", 1)[1] for o in reversed(both) if o.startswith("paths.log_dir=")), str(ROOT / "logs"))
+    root = Path(log_dir) / "experiments" / NAME
+    failed = []
+    if not args.render:
+        for run, extra in RUNS.items():
+            failed += _run("train.py", "experiment=demo",
+                           [*both, *train, *([] if args.smoke else extra), f"hydra.run.dir={root}/train/{run}",
+                            f"task_name={NAME}"])
+        failed += _run("evaluate.py", f"experiment={NAME}/eval", [*both, *evals])
+    out = root / "table" if args.smoke else ROOT / "experiments" / "results" / NAME
+    command = " ".join(["python", f"experiments/{NAME}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
+    write(out, NAME, build(root), command, _machine(root))
+    if failed:
+        raise SystemExit(f"[specdec] table {NAME}: {' and '.join(failed)} failed; the table holds the finished runs only")
+    return out
+
+
+if __name__ == "__main__":
+    main()
