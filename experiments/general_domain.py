@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> Path:
     train = [*SHARED, *(o.removeprefix("train:") for o in args.overrides if o.startswith("train:"))]
     evals = [o.removeprefix("eval:") for o in args.overrides if o.startswith("eval:")]
     if args.smoke:  # the tiny base trains on raw code both times (it has no feature caches)
-        train, evals = [*train, *SMOKE_TRAIN, *SMOKE_FROM_RAW_CODE], [*SMOKE_EVAL, *evals]
+        train, evals = [*train, *SMOKE_TRAIN, *SMOKE_FROM_RAW_CODE], [*SMOKE_EVAL, "passes=1", *evals]
     log_dir = next((o.split("=", 1)[1] for o in reversed(both) if o.startswith("paths.log_dir=")), str(ROOT / "logs"))
     root = Path(log_dir) / "experiments" / NAME
     failed = []
