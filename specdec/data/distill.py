@@ -327,8 +327,8 @@ def _openai(base: Base, sampler: SamplerConfig, eos: list[int], seed: int, batch
     from concurrent.futures import ThreadPoolExecutor
 
     if not base_url:
-        raise ValueError("the openai engine (backend=openai) needs server.base_url=http://<host>:<port> (vLLM, SGLang or llama-server "
-                         "serving the base)")
+        raise ValueError("the openai engine (backend=openai) needs server.base_url=http://<host>:<port> (vLLM, SGLang "
+                         "or llama-server serving the base)")
     url = base_url.rstrip("/") + ("/completions" if base_url.rstrip("/").endswith("/v1") else "/v1/completions")
 
     def one(prompt: list[int], row_id: str) -> list[int]:
