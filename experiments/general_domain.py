@@ -10,18 +10,14 @@ experiments/prompts/question.jsonl, in one evaluation per prompt set.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _machine, _run, eval_reports,
-                            method_row, train_runs, write)
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, train_runs
 
 NAME = "general_domain"
-# run dir -> what its training reads beyond the shared code cache; evaluate names the drafters hydra, hydra#1 in
-# the order eval.yaml lists them
-RUNS = {"code": [], "code_general": ["data.mix=[${paths.cache_dir}/features/general]"]}
+# training run (train.yaml's train_on) -> its method name: evaluate names the drafters hydra, hydra#1 in the order
+# eval.yaml lists them
 METHODS = {"code": "hydra", "code_general": "hydra#1"}
-SHARED = ["data.path=${paths.cache_dir}/features/stdlib_complete", "logger=csv", "trainer.max_time=00:00:30:00"]
 LOOKUP = "lookup (ours)"
 
 
@@ -74,33 +70,6 @@ def _spread(row: dict | None) -> str | None:
     return None if row is None else f"{row['speedup_vs_ar']:.2f} ± {row.get('speedup_vs_ar_sd') or 0:.2f}"
 
 
-def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="the tiny base, seconds (what make test runs)")
-    ap.add_argument("--render", action="store_true", help="only rebuild the table from finished runs")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    both = [o for o in args.overrides if not o.startswith(("train:", "eval:"))]
-    train = [*SHARED, *(o.removeprefix("train:") for o in args.overrides if o.startswith("train:"))]
-    evals = [o.removeprefix("eval:") for o in args.overrides if o.startswith("eval:")]
-    if args.smoke:  # the tiny base trains on raw code both times (it has no feature caches)
-        train, evals = [*train, *SMOKE_TRAIN, *SMOKE_FROM_RAW_CODE], [*SMOKE_EVAL, "passes=1", *evals]
-    log_dir = next((o.split("=", 1)[1] for o in reversed(both) if o.startswith("paths.log_dir=")), str(ROOT / "logs"))
-    root = Path(log_dir) / "experiments" / NAME
-    failed = []
-    if not args.render:
-        for run, extra in RUNS.items():
-            failed += _run("train.py", "experiment=demo",
-                           [*both, *train, *([] if args.smoke else extra), f"hydra.run.dir={root}/train/{run}",
-                            f"task_name={NAME}"])
-        failed += _run("evaluate.py", f"experiment={NAME}/eval", [*both, *evals])
-    out = root / "table" if args.smoke else ROOT / "experiments" / "results" / NAME
-    command = " ".join(["python", f"experiments/{NAME}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
-    write(out, NAME, build(root), command, _machine(root))
-    if failed:
-        raise SystemExit(f"[specdec] table {NAME}: {' and '.join(failed)} failed; the table holds the finished runs only")
-    return out
-
-
 if __name__ == "__main__":
-    main()
+    # the tiny base trains on raw code both times: it has no feature caches to mix
+    main(NAME, build, smoke_train=(*SMOKE_FROM_RAW_CODE, "~data.mix"), smoke_eval=("passes=1",))
