@@ -18,6 +18,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -81,8 +82,9 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
         failed += _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
     table = build(root)
     out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
-    command = " ".join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []),
-                       *(["--render"] if args.render else []), *args.overrides])
+    # shell-quoted, so that the command a result records runs as printed (an override's ${...} stays Hydra's)
+    command = shlex.join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []),
+                          *(["--render"] if args.render else []), *args.overrides])
     write(out, name, table, command, _machine(root))
     if failed:
         print(f"[specdec] table {name}: {' and '.join(failed)} failed (see its summary above); "
