@@ -150,6 +150,7 @@ tables: setup peers features-completions features-general
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[2,4,8,12,16]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_exits' hydra.run.dir=logs/features/stdlib_complete_exits
 	for t in $(TABLES); do OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
+	$(PY) experiments/sync_pages.py
 
 bench: setup peers
 	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py
