@@ -16,6 +16,11 @@ import torch
 AUTO = "auto"
 MIN_GAIN = 1.25  # bf16 must be this much faster: autocast adds casts the product timing does not see
 ROWS = 2048  # one batch of the recipes (8 x 256 tokens)
+# A product ~1/200 of an lm_head's, timed first: where bf16 has no native kernels (Zen 2 and Zen 3 EPYCs) torch's
+# fallback runs ~40x slower than fp32, so the full [2048, 576] x [576, 49152] product in bf16 took ~2 min a repeat.
+# A probe that slow decides fp32 at once; one that is not is no verdict (small products understate a native gain).
+PROBE_ROWS, PROBE_OUT = 256, 1024
+PROBE_LOSS = 2.0  # bf16 this many times slower than fp32 on the probe: fp32 without timing the full shape
 
 
 def choose_precision(device: torch.device | str, hidden: int, out: int, repeats: int = 3) -> tuple[str, str]:
@@ -28,6 +33,12 @@ def choose_precision(device: torch.device | str, hidden: int, out: int, repeats:
     if device.type != "cpu":
         return "32-true", f"{device.type}: not measured"
     try:
+        probe_out = min(out, PROBE_OUT)
+        gain = (_time_product(torch.float32, hidden, probe_out, repeats, PROBE_ROWS)
+                / _time_product(torch.bfloat16, hidden, probe_out, repeats, PROBE_ROWS))
+        if gain < 1 / PROBE_LOSS:
+            return "32-true", (f"bf16 product {gain:.2f}x fp32 here on a probe "
+                               f"([{PROBE_ROWS}, {hidden}] x [{hidden}, {probe_out}]): no native bf16 kernels")
         fp32 = _time_product(torch.float32, hidden, out, repeats)
         bf16 = _time_product(torch.bfloat16, hidden, out, repeats)
     except RuntimeError as err:  # a build without bf16 kernels: fp32
@@ -37,12 +48,12 @@ def choose_precision(device: torch.device | str, hidden: int, out: int, repeats:
     return ("bf16-mixed" if gain >= MIN_GAIN else "32-true"), why
 
 
-def _time_product(dtype: torch.dtype, hidden: int, out: int, repeats: int) -> float:
-    """Best-of-`repeats` seconds (the first run is the warm-up the best leaves out) of one product, forward and both
-    backward products, on the CPU."""
-    x = torch.randn(ROWS, hidden, dtype=dtype)
+def _time_product(dtype: torch.dtype, hidden: int, out: int, repeats: int, rows: int = ROWS) -> float:
+    """Best-of-`repeats` seconds (the first run is the warm-up the best leaves out) of one product [rows, hidden] x
+    [hidden, out], forward and both backward products, on the CPU."""
+    x = torch.randn(rows, hidden, dtype=dtype)
     w = torch.randn(out, hidden, dtype=dtype)
-    g = torch.randn(ROWS, out, dtype=dtype)
+    g = torch.randn(rows, out, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -12,14 +12,19 @@ from specdec.precision import choose_precision
 from specdec.training import train
 
 
-def _timings(monkeypatch, fp32: float, bf16: float | Exception):
-    def fake(dtype, hidden, out, repeats):
-        value = fp32 if dtype == torch.float32 else bf16
+def _timings(monkeypatch, fp32: float, bf16: float | Exception, probe_bf16: float | None = None) -> list:
+    """Fake product timings (the probe's bf16 its own where given); returns the (dtype, rows, out) timed."""
+    timed = []
+
+    def fake(dtype, hidden, out, repeats, rows=precision.ROWS):
+        timed.append((dtype, rows, out))
+        value = fp32 if dtype == torch.float32 else probe_bf16 if rows == precision.PROBE_ROWS and probe_bf16 else bf16
         if isinstance(value, Exception):
             raise value
         return value
 
     monkeypatch.setattr(precision, "_time_product", fake)
+    return timed
 
 
 @pytest.mark.parametrize("fp32, bf16, want", [(2.2, 1.0, "bf16-mixed"), (1.0, 1.0, "32-true"), (1.0, 3.0, "32-true"),
@@ -28,6 +33,21 @@ def test_cpu_picks_the_faster(monkeypatch, fp32, bf16, want):
     _timings(monkeypatch, fp32, bf16)
     chosen, why = choose_precision("cpu", 64, 128)
     assert chosen == want and f"{fp32 / bf16:.2f}x" in why
+
+
+def test_a_slow_probe_decides_fp32_without_the_full_product(monkeypatch):
+    # Zen 2: bf16 ~40x slower than fp32; the lm_head-sized product would take minutes a repeat
+    timed = _timings(monkeypatch, 1.0, 0.5, probe_bf16=40.0)
+    chosen, why = choose_precision("cpu", 576, 49152)
+    assert chosen == "32-true" and "probe" in why and "0.03x" in why
+    assert {(rows, out) for _, rows, out in timed} == {(precision.PROBE_ROWS, precision.PROBE_OUT)}
+
+
+def test_a_probe_that_is_not_slow_leaves_the_verdict_to_the_full_product(monkeypatch):
+    # a native bf16 CPU may lose on a small product and still win on the real one
+    timed = _timings(monkeypatch, 2.2, 1.0, probe_bf16=1.5)
+    assert choose_precision("cpu", 576, 49152)[0] == "bf16-mixed"
+    assert (torch.bfloat16, precision.ROWS, 49152) in timed
 
 
 def test_falls_back_to_fp32_without_bf16_kernels(monkeypatch):
