@@ -16,8 +16,8 @@ import torch
 AUTO = "auto"
 MIN_GAIN = 1.25  # bf16 must be this much faster: autocast adds casts the product timing does not see
 ROWS = 2048  # one batch of the recipes (8 x 256 tokens)
-# A product ~1/200 of an lm_head's, timed first: where bf16 has no native kernels (Zen 2 and Zen 3 EPYCs) torch's
-# fallback runs ~40x slower than fp32, so the full [2048, 576] x [576, 49152] product in bf16 took ~2 min a repeat.
+# A product ~1/400 of an lm_head's, timed first: where the CPU has no bf16 instructions (a Zen 2 EPYC, AVX2 only)
+# torch's fallback ran ~20-40x slower than fp32, so SmolLM2's [2048, 576] x [576, 49152] in bf16 took ~2 min a repeat.
 # A probe that slow decides fp32 at once; one that is not is no verdict (small products understate a native gain).
 PROBE_ROWS, PROBE_OUT = 256, 1024
 PROBE_LOSS = 2.0  # bf16 this many times slower than fp32 on the probe: fp32 without timing the full shape
