@@ -142,8 +142,10 @@ features-general: setup
 # medusa_heads, prophet_vs_early_exit, exit_layer and draft_model train their drafters by the recipes from the
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
-# answer (features-completions); general_domain mixes in the general-domain text's (features-general).
-TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model general_domain
+# answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
+# best_drafter trains the prophet recipe to its end on both (about an hour on a 2-core CPU).
+TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model general_domain \
+          best_drafter
 tables: setup peers features-completions features-general
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete

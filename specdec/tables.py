@@ -54,10 +54,16 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
 
+Evaluate = Callable[[Path, list[str]], list[str]]  # (the table's log root, eval overrides) -> the scripts that failed
+
+
 def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = None,
-         smoke_train: tuple[str, ...] = (), smoke_eval: tuple[str, ...] = ()) -> Path:
+         smoke_train: tuple[str, ...] = (), smoke_eval: tuple[str, ...] = (),
+         evaluate: Evaluate | None = None) -> Path:
     """Run the table's two sides and write it. smoke_train / smoke_eval: what the table's smoke variant needs beyond
-    the shared one (e.g. a data set the tiny base can read, fewer search trials)."""
+    the shared one (e.g. a data set the tiny base can read, fewer search trials). evaluate: a table whose evaluation
+    runs in stages (a setting chosen on the tuning split, then the report with it); default: one evaluate.py run of
+    experiment=<table>/eval."""
     ap = argparse.ArgumentParser(description=f"Reproduce the `{name}` table", epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny base, seconds (what make test runs)")
@@ -79,7 +85,10 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
         # A failed training job still leaves the others' drafters: evaluation and the table go on with them, and
         # the command exits non-zero at the end (evaluate.py itself refuses a drafter whose run left none).
         failed += _run("train.py", f"experiment={name}/train", [*both, *train])
-        failed += _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
+        if evaluate is None:
+            failed += _run("evaluate.py", f"experiment={name}/eval", [*both, *evals])
+        else:
+            failed += evaluate(root, [*both, *evals])
     table = build(root)
     out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
     # shell-quoted, so that the command a result records runs as printed (an override's ${...} stays Hydra's)

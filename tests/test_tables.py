@@ -14,7 +14,8 @@ from conftest import ROOT
 
 # table -> rows its smoke variant must produce
 TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
-          "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2, "general_domain": 4}
+          "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2, "general_domain": 4,
+          "best_drafter": 13}
 FAILED_JOB = ("leviathan", "train:module.optimizer.lr=-1")  # every training job fails: AdamW refuses lr < 0
 
 
@@ -48,8 +49,8 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, tuple[Future, object]]:
 
 
 # their smoke runs take 40-45 s here (general_domain: two trainings and two evaluations, one more table than the 10
-# minutes of make test hold on a 2-core Zen 5): make test-long
-LONG = {"drafters", "medusa_heads", "leviathan", "general_domain"}
+# minutes of make test hold on a 2-core Zen 5; best_drafter: seven evaluation jobs in two stages): make test-long
+LONG = {"drafters", "medusa_heads", "leviathan", "general_domain", "best_drafter"}
 
 
 @pytest.mark.parametrize("table", [pytest.param(t, marks=pytest.mark.long) if t in LONG else t for t in TABLES])
