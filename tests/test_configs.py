@@ -63,10 +63,10 @@ def test_group_option_composes_and_binds(path: Path, tmp_path):
 
 @pytest.mark.parametrize("path", GLOBAL_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_global_configs_compose(path: Path, tmp_path):
-    """Each global option composes with its entry point (a table's eval*.yaml with evaluate.yaml), and its
-    targets bind, the Hydra sweeper and launcher it picks included."""
+    """Each global option composes with its entry point (a table's eval*.yaml and tune*.yaml with evaluate.yaml),
+    and its targets bind, the Hydra sweeper and launcher it picks included."""
     group, *option = path.relative_to(CONFIGS).with_suffix("").parts  # experiment/drafters/eval -> experiment=drafters/eval
-    primary = "evaluate" if path.stem.startswith("eval") else "train"
+    primary = "evaluate" if path.stem.startswith(("eval", "tune")) else "train"
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose(primary, overrides=[f"{group}={'/'.join(option)}", f"paths.output_dir={tmp_path}"],
                       return_hydra_config=True)
