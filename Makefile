@@ -143,7 +143,7 @@ features-general: setup
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
 # answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
-# best_drafter trains the prophet recipe for 1,500 steps on both (about an hour on a 2-core CPU).
+# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5).
 TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model general_domain \
           best_drafter
 tables: setup peers features-completions features-general

@@ -95,6 +95,7 @@ def build(root: Path) -> Table:
 
 
 def _cells(row: dict, report: dict) -> dict:
+    from specdec.evaluation import _identity_cell  # the report's own cell: yes, n/a, or how many answers agree
     lev = row.get("leviathan", {})
     lookup, llama = method_row(report, LOOKUP, None), method_row(report, "llama_cpp", None)
     sd = row.get("speedup_vs_ar_sd")
@@ -103,7 +104,7 @@ def _cells(row: dict, report: dict) -> dict:
             "vs_ar": f"{row['speedup_vs_ar']:.2f}" + ("" if sd is None or sd != sd else f" ± {sd:.2f}"),
             "vs_lookup": row["speedup_vs_ar"] / lookup["speedup_vs_ar"] if lookup else None,
             "vs_llama": row["tok_per_s"] / llama["tok_per_s"] if llama else None,
-            "identical": row.get("greedy_identical")}
+            "identical": _identity_cell(row)}
 
 
 def _run_line(report: dict) -> str:
