@@ -96,6 +96,7 @@ def build(root: Path) -> Table:
 
 def _cells(row: dict, report: dict) -> dict:
     from specdec.evaluation import _identity_cell  # the report's own cell: yes, n/a, or how many answers agree
+
     lev = row.get("leviathan", {})
     lookup, llama = method_row(report, LOOKUP, None), method_row(report, "llama_cpp", None)
     sd = row.get("speedup_vs_ar_sd")
