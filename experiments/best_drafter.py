@@ -12,19 +12,12 @@ eval: overrides go to both evaluation stages (the tuning sweep and the report)."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from specdec.sweeps import REPORT
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_reports, main, method_row
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_reports, main, method_row, spread
 
 NAME = "best_drafter"
 AR, LOOKUP, PEERS = "ar (ours)", "lookup (ours)", ("llama_cpp", "llama_cpp_lookup")
-
-
-def tune_reports(root: Path) -> dict[str, dict]:
-    """The tuning sweep's finished jobs: shape name -> results.json."""
-    return {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "tune").glob(f"*/{REPORT}"))}
 
 
 def drafter_method(report: dict) -> str:
@@ -36,16 +29,15 @@ def drafter_method(report: dict) -> str:
 
 def choose(tuned: dict[str, dict]) -> str | None:
     """The shape whose drafter alone ran fastest against our AR loop on the tuning split."""
-    speed = {shape: method_row(r, drafter_method(r), {}).get("speedup_vs_ar", float("nan"))
-             for shape, r in tuned.items()}
-    ranked = [s for s in speed if speed[s] == speed[s]]  # (a job without the drafter's row reads nan)
+    speed = {shape: method_row(r, drafter_method(r), {}).get("speedup_vs_ar") for shape, r in tuned.items()}
+    ranked = [s for s in speed if speed[s] is not None]  # (a job without the drafter's row)
     return max(ranked, key=speed.get, default=None)
 
 
 def evaluate(root: Path, overrides: list[str]) -> list[str]:
     """The tuning sweep, then the report with the shape it chose."""
     failed = _run("evaluate.py", f"experiment={NAME}/tune", overrides)
-    shape = choose(tune_reports(root))
+    shape = choose(eval_reports(root, "tune"))
     if shape is None:
         print(f"[specdec] table {NAME}: no tuning job finished, so no shape to report")
         return failed + ["evaluate.py"]
@@ -54,7 +46,7 @@ def evaluate(root: Path, overrides: list[str]) -> list[str]:
 
 
 def build(root: Path) -> Table:
-    tuned, reports = tune_reports(root), eval_reports(root)
+    tuned, reports = eval_reports(root, "tune"), eval_reports(root)
     chosen = choose(tuned)
     rows = []
     for shape, r in tuned.items():
@@ -99,10 +91,8 @@ def _cells(row: dict, report: dict) -> dict:
 
     lev = row.get("leviathan", {})
     lookup, llama = method_row(report, LOOKUP, None), method_row(report, "llama_cpp", None)
-    sd = row.get("speedup_vs_ar_sd")
     return {"tau": row.get("tau"), "alpha": row.get("alpha"), "c": lev.get("c"), "o": lev.get("overhead"),
-            "tok_s": row["tok_per_s"], "vs_ar_mean": row["speedup_vs_ar"],
-            "vs_ar": f"{row['speedup_vs_ar']:.2f}" + ("" if sd is None or sd != sd else f" ± {sd:.2f}"),
+            "tok_s": row["tok_per_s"], "vs_ar_mean": row["speedup_vs_ar"], "vs_ar": spread(row),
             "vs_lookup": row["speedup_vs_ar"] / lookup["speedup_vs_ar"] if lookup else None,
             "vs_llama": row["tok_per_s"] / llama["tok_per_s"] if llama else None,
             "identical": _identity_cell(row)}

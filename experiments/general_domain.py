@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, train_runs
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, spread, train_runs
 
 NAME = "general_domain"
 # training run (train.yaml's train_on) -> its method name: evaluate names the drafters hydra, hydra#1 in the order
@@ -34,9 +34,9 @@ def build(root: Path) -> Table:
             rows.append({
                 "train": run.replace("_", " + "), "steps": t.get("global_step"),
                 "val_tau": t.get("metrics", {}).get("val/expected_tau"), "prompts": prompts,
-                "tau": heads["tau"], "alpha": heads.get("alpha"), "speedup": _spread(heads),
+                "tau": heads["tau"], "alpha": heads.get("alpha"), "speedup": spread(heads),
                 "vs_lookup": heads["speedup_vs_ar"] / lookup["speedup_vs_ar"] if lookup else None,
-                "lookup": _spread(lookup), "with_lookup": _spread(both)})
+                "lookup": spread(lookup), "with_lookup": spread(both)})
 
     def plot(fig):
         ax1, ax2 = fig.subplots(1, 2)
@@ -63,11 +63,6 @@ def build(root: Path) -> Table:
                   "prompts": "prompts", "tau": "τ", "alpha": "α", "speedup": "heads × AR (ours)",
                   "vs_lookup": "heads × lookup", "lookup": "lookup × AR", "with_lookup": "heads + lookup × AR"},
                  plot, notes)
-
-
-def _spread(row: dict | None) -> str | None:
-    """A method's speedup vs our AR as 'mean ± sd' over the evaluation's passes."""
-    return None if row is None else f"{row['speedup_vs_ar']:.2f} ± {row.get('speedup_vs_ar_sd') or 0:.2f}"
 
 
 if __name__ == "__main__":

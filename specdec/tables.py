@@ -16,6 +16,7 @@ import csv
 import datetime
 import io
 import json
+import math
 import os
 import platform
 import shlex
@@ -116,11 +117,12 @@ def train_runs(root: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "train").glob(f"*/{RESULT}"))}
 
 
-def eval_reports(root: Path) -> dict[str, dict]:
-    """Finished evaluations of the table: job dir name ('' for a single run) -> results.json."""
+def eval_reports(root: Path, stage: str = "eval") -> dict[str, dict]:
+    """Finished evaluations of the table: job dir name ('' for a single run) -> results.json. stage: the folder
+    under the table's log root (a staged evaluation's tuning sweep writes to its own)."""
     reports = {}
-    for p in sorted((root / "eval").glob(f"**/{REPORT}")):
-        job = p.parent.relative_to(root / "eval")
+    for p in sorted((root / stage).glob(f"**/{REPORT}")):
+        job = p.parent.relative_to(root / stage)
         reports["" if job == Path(".") else str(job)] = json.loads(p.read_text())
     return reports
 
@@ -135,6 +137,14 @@ def drafter_runs(report: dict) -> dict[str, dict]:
         result = Path(path).parent / RESULT
         runs[method] = json.loads(result.read_text()) if result.exists() else {}
     return runs
+
+
+def spread(row: dict | None) -> str | None:
+    """A method's speedup vs our AR as 'mean ± sd' over the evaluation's passes (the mean alone for one pass)."""
+    if row is None:
+        return None
+    sd = row.get("speedup_vs_ar_sd")
+    return f"{row['speedup_vs_ar']:.2f}" + ("" if sd is None or math.isnan(sd) else f" ± {sd:.2f}")
 
 
 _REQUIRED = object()
