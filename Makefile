@@ -107,15 +107,18 @@ distill: setup
 # template up to an open user turn (T = 1; filtered: finished, length, English letters, exact and near duplicates,
 # no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
 # ~/.cache/specdec/distill/general, then shipped as text with its manifest to GENERAL_SHIP (configs/data/general.yaml
-# reads it; GENERAL_SHIP=null ships nothing). A larger GENERAL_REQUESTS extends the set.
+# reads it; GENERAL_SHIP=null ships nothing). A larger GENERAL_REQUESTS extends the set; with DISTILL_FROM=shipped
+# a fresh machine starts from the shipped requests and answers instead of making them again.
 # About 1.4 s a request on 2 cores (the shipped 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai
 # at a server (docs/data.md).
 GENERAL_REQUESTS ?= 1000
 GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
 DISTILL_ENGINE ?= specdec
+GENERAL_FROM := $(if $(filter shipped,$(DISTILL_FROM)),$(GENERAL_SHIP),null)
 distill-general: setup
 	$(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
 	    +prompts.count=$(GENERAL_REQUESTS) '+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
+	    +prompts.start_from=$(GENERAL_FROM) start_from=$(GENERAL_FROM) \
 	    limit=null backend=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
 	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP) \
 	    "ship_command='make distill-general GENERAL_REQUESTS=$(GENERAL_REQUESTS)'"

@@ -8,7 +8,9 @@ base answer them like any other source:
         +prompts.count=2000 'out_dir=${paths.cache_dir}/distill/general'
 
 Resumable: every sampled request (kept or not, and why) is kept in `cache` (a jsonl file), and a rerun continues
-from the next index; request i is sampled with its own generator seeded by (seed, i), so a set is reproducible."""
+from the next index; request i is sampled with its own generator seeded by (seed, i), so a set is reproducible.
+`start_from` (a shipped set, e.g. specdec/data/shipped/general_magpie.jsonl.gz) starts an empty cache from the
+requests that set kept, so a fresh machine extends the shipped set instead of sampling it again."""
 
 from __future__ import annotations
 
@@ -82,23 +84,30 @@ class Filter:
 
 def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 96, batch_size: int = 32, cache: str | None = None,
-             filter: Filter | None = None) -> Dataset:
+             filter: Filter | None = None, start_from: str | None = None) -> Dataset:
     """`count` filtered requests {id: "magpie:<seed>:<i>", messages: [one user turn]}, sampled from `base` until
-    that many are kept (at most 8·count tries). `cache`: the jsonl file every try is kept in (None: none)."""
+    that many are kept (at most 8·count tries). `cache`: the jsonl file every try is kept in (None: none).
+    `start_from`: a shipped set of answers to requests of this `seed`, whose requests start an empty cache."""
     rule = filter or Filter()
     tries: list[dict] = []
     path = Path(cache).expanduser() if cache else None
     if path is not None and path.exists():
         tries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        for t in tries:  # replayed through the filter: its duplicate index is rebuilt in the same order
-            t["why"] = rule.why_not(t["text"], t["finished"])
+    if not tries and start_from:
+        tries = shipped_requests(start_from, seed)
+        if path is not None:
+            _append(path, tries)
+    for t in tries:  # replayed through the filter: its duplicate index is rebuilt in the same order
+        t["why"] = rule.why_not(t["text"], t["finished"])
     prefix = open_user_turn(base.tokenizer)
     eos = base.config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     cfg = SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eos)
     engine = build(device=base.device)
     while sum(t["why"] is None for t in tries) < count and len(tries) < 8 * count:
-        start, n = len(tries), max(batch_size, count - sum(t["why"] is None for t in tries))
+        # the next index: after the last one tried (a cache started from a shipped set holds only its kept ones)
+        start = 1 + max((t["i"] for t in tries), default=-1)
+        n = max(batch_size, count - sum(t["why"] is None for t in tries))
         gens = [torch.Generator(device=base.device).manual_seed(_seed(seed, start + k)) for k in range(n)]
         new = [None] * n
         for k, tokens in stream(base, [prefix] * n, cfg, batch_size, gens, engine=engine):
@@ -109,14 +118,33 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
             t["why"] = rule.why_not(t["text"], t["finished"])
         tries += new
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.writelines(json.dumps({k: v for k, v in t.items() if k != "why"}) + "\n" for t in new)
+            _append(path, new)
     print(f"[specdec] magpie: {len(tries)} requests sampled: " + ", ".join(f"{k if k != 'None' else 'kept'} {v}"
                                                                       for k, v in reasons(tries).items()))
     kept = [t for t in tries if t["why"] is None][:count]
     return Dataset.from_dict({"id": [f"magpie:{seed}:{t['i']}" for t in kept],
                               "messages": [[{"role": "user", "content": t["text"]}] for t in kept]})
+
+
+def shipped_requests(shipped: str | Path, seed: int = 0) -> list[dict]:
+    """The tries a shipped set of answers stands for: its requests, each kept, at its own index (ids
+    "magpie:<seed>:<i>"; the dropped tries between them are not shipped, and none is needed to go on)."""
+    from specdec.data.distill import load_distilled  # distill runs this module's requests: imported when used
+
+    rows = load_distilled(shipped)
+    tries = []
+    for row_id, turns in zip(rows["id"], rows["messages"]):
+        tag, row_seed, i = row_id.split(":")
+        if tag != "magpie" or int(row_seed) != seed:
+            raise ValueError(f"{shipped} holds {row_id!r}, not a magpie request of seed {seed}")
+        tries.append({"i": int(i), "text": turns[0]["content"], "finished": True})
+    return sorted(tries, key=lambda t: t["i"])  # in index order, as a run kept them
+
+
+def _append(path: Path, tries: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.writelines(json.dumps({k: v for k, v in t.items() if k != "why"}) + "\n" for t in tries)
 
 
 def _seed(seed: int, i: int) -> int:

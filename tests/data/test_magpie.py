@@ -8,6 +8,7 @@ import pytest
 from specdec.base import tiny_base
 from specdec.data import magpie
 from specdec.data.overlap import Overlap, eval_texts, ngrams
+from specdec.sampling.config import SamplerConfig
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,26 @@ def test_requests_are_sampled_filtered_and_resumed(base, tmp_path, monkeypatch):
                            filter=magpie.Filter(**loose))
     assert more["messages"][:6] == first["messages"]  # extended, not redrawn
     assert all(json.loads(line)["i"] == i for i, line in enumerate(cache.read_text().splitlines()))
+
+
+def test_a_fresh_cache_started_from_a_shipped_set_extends_it(base, tmp_path, monkeypatch):
+    from specdec.data.distill import distill, ship
+
+    loose = dict(min_chars=1, max_chars=10_000, min_ascii_letters=0.0, max_similar=1.01)
+    monkeypatch.setattr(magpie.Filter, "why_not", lambda self, text, finished: None if text else "length")
+    first = magpie.requests(base, count=6, max_new_tokens=8, batch_size=4, cache=str(tmp_path / "a.jsonl"),
+                            filter=magpie.Filter(**loose))
+    distill(first.select(range(1, 6)), base, str(tmp_path / "d"), SamplerConfig(max_new_tokens=4), batch_size=3)
+    shipped = ship(tmp_path / "d", tmp_path / "ship" / "general.jsonl.gz")  # request 0 not answered: a gap
+    more = magpie.requests(base, count=8, max_new_tokens=8, batch_size=4, cache=str(tmp_path / "b.jsonl"),
+                           filter=magpie.Filter(**loose), start_from=str(shipped))
+    assert more["messages"][:5] == first["messages"][1:]  # the shipped requests, not redrawn
+    whole = magpie.requests(base, count=9, max_new_tokens=8, batch_size=4, cache=str(tmp_path / "a.jsonl"),
+                            filter=magpie.Filter(**loose))
+    # the new ones are drawn at the indices after the last one shipped, as the run that made the set goes on
+    assert more["id"][5:] == whole["id"][6:] and more["messages"][5:] == whole["messages"][6:]
+    with pytest.raises(ValueError, match="not a magpie request of seed 1"):
+        magpie.requests(base, count=8, seed=1, cache=None, filter=magpie.Filter(**loose), start_from=str(shipped))
 
 
 def test_the_shipped_text_shares_no_13_gram_with_an_evaluation_prompt(capsys):
