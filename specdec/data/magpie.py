@@ -29,6 +29,7 @@ from specdec.data.stream import stream
 from specdec.engines import build
 from specdec.sampling.config import SamplerConfig
 
+CHUNK = 256  # tries sampled between two appends to the cache
 SENTINEL = "\ue000"  # a private-use character no template contains: where the user's words would go
 
 
@@ -107,7 +108,8 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
     while sum(t["why"] is None for t in tries) < count and len(tries) < 8 * count:
         # the next index: after the last one tried (a cache started from a shipped set holds only its kept ones)
         start = 1 + max((t["i"] for t in tries), default=-1)
-        n = max(batch_size, count - sum(t["why"] is None for t in tries))
+        # in chunks, each appended to the cache as it ends: an interrupted run loses one chunk at most
+        n = min(max(batch_size, count - sum(t["why"] is None for t in tries)), CHUNK)
         gens = [torch.Generator(device=base.device).manual_seed(_seed(seed, start + k)) for k in range(n)]
         new = [None] * n
         for k, tokens in stream(base, [prefix] * n, cfg, batch_size, gens, engine=engine):
@@ -119,6 +121,8 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
         tries += new
         if path is not None:
             _append(path, new)
+        print(f"[specdec] magpie: {sum(t['why'] is None for t in tries)}/{count} requests kept of {len(tries)} "
+              "tried", flush=True)
     print(f"[specdec] magpie: {len(tries)} requests sampled: " + ", ".join(f"{k if k != 'None' else 'kept'} {v}"
                                                                       for k, v in reasons(tries).items()))
     kept = [t for t in tries if t["why"] is None][:count]
