@@ -106,22 +106,30 @@ distill: setup
 # General-domain text the base writes itself (specdec/data/magpie.py): GENERAL_REQUESTS requests sampled from its chat
 # template up to an open user turn (T = 1; filtered: finished, length, English letters, exact and near duplicates,
 # no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
-# ~/.cache/specdec/distill/general, then shipped as text with its manifest to GENERAL_SHIP (configs/data/general.yaml
-# reads it; GENERAL_SHIP=null ships nothing). A larger GENERAL_REQUESTS extends the set; with DISTILL_FROM=shipped
-# a fresh machine starts from the shipped requests and answers instead of making them again.
-# About 1.4 s a request on 2 cores (the shipped 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai
+# ~/.cache/specdec/distill/general, shipped as text with its manifest to GENERAL_SHIP; then sampled answers
+# (T = 0.7, top-p 0.95) to the first GENERAL_SAMPLED of those requests, shipped to GENERAL_SAMPLED_SHIP
+# (configs/data/general.yaml reads both; =null ships nothing). Larger counts extend the sets; with
+# DISTILL_FROM=shipped a fresh machine starts from the shipped requests and answers instead of making them again.
+# About 1.4 s a request on 2 cores (the first 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai
 # at a server (docs/data.md).
 GENERAL_REQUESTS ?= 1000
+GENERAL_SAMPLED ?= 1000
 GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
+GENERAL_SAMPLED_SHIP ?= specdec/data/shipped/general_magpie_sampled.jsonl.gz
 DISTILL_ENGINE ?= specdec
-GENERAL_FROM := $(if $(filter shipped,$(DISTILL_FROM)),$(GENERAL_SHIP),null)
+GENERAL_COUNTS = GENERAL_REQUESTS=$(GENERAL_REQUESTS) GENERAL_SAMPLED=$(GENERAL_SAMPLED)
+shipped_from = $(if $(filter shipped,$(DISTILL_FROM)),$(or $(wildcard $(1)),null),null)
+MAGPIE := $(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
+	'+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
+	+prompts.start_from=$(call shipped_from,$(GENERAL_SHIP)) limit=null backend=$(DISTILL_ENGINE)
 distill-general: setup
-	$(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
-	    +prompts.count=$(GENERAL_REQUESTS) '+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
-	    +prompts.start_from=$(GENERAL_FROM) start_from=$(GENERAL_FROM) \
-	    limit=null backend=$(DISTILL_ENGINE) 'out_dir=$${paths.cache_dir}/distill/general' \
-	    hydra.run.dir=logs/distill/general_magpie ship_to=$(GENERAL_SHIP) \
-	    "ship_command='make distill-general GENERAL_REQUESTS=$(GENERAL_REQUESTS)'"
+	$(MAGPIE) +prompts.count=$(GENERAL_REQUESTS) 'out_dir=$${paths.cache_dir}/distill/general' \
+	    start_from=$(call shipped_from,$(GENERAL_SHIP)) hydra.run.dir=logs/distill/general_magpie \
+	    ship_to=$(GENERAL_SHIP) "ship_command='make distill-general $(GENERAL_COUNTS)'"
+	$(MAGPIE) +prompts.count=$(GENERAL_SAMPLED) 'out_dir=$${paths.cache_dir}/distill/general_sampled' \
+	    sampler.temperature=0.7 sampler.top_p=0.95 start_from=$(call shipped_from,$(GENERAL_SAMPLED_SHIP)) \
+	    hydra.run.dir=logs/distill/general_magpie_sampled ship_to=$(GENERAL_SAMPLED_SHIP) \
+	    "ship_command='make distill-general $(GENERAL_COUNTS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached
 features: setup
