@@ -110,9 +110,9 @@ distill: setup
 # (T = 0.7, top-p 0.95) to the first GENERAL_SAMPLED of those requests, shipped to GENERAL_SAMPLED_SHIP
 # (configs/data/general.yaml reads both; =null ships nothing). Larger counts extend the sets; with
 # DISTILL_FROM=shipped a fresh machine starts from the shipped requests and answers instead of making them again.
-# About 1.4 s a request on 2 cores (the first 1,000: 23 min on a Zen 5); a GPU user points DISTILL_ENGINE=openai
-# at a server (docs/data.md).
-GENERAL_REQUESTS ?= 1000
+# About 1.2 s an answer on 2 cores (3,000 greedy answers: 59 min on a Zen 3), and 1 min per 256 requests sampled
+# (about 200 kept); a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
+GENERAL_REQUESTS ?= 4000
 GENERAL_SAMPLED ?= 1000
 GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
 GENERAL_SAMPLED_SHIP ?= specdec/data/shipped/general_magpie_sampled.jsonl.gz
