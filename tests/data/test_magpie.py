@@ -86,3 +86,24 @@ def test_the_shipped_text_shares_no_13_gram_with_an_evaluation_prompt(capsys):
 
     shipped = sorted(str(p) for p in SHIPPED.parent.glob("*.jsonl.gz"))
     assert len(shipped) >= 2 and main(shipped) == 0, capsys.readouterr().out
+
+
+def test_the_shipped_general_sets_match_their_manifests_and_share_their_requests():
+    """general_magpie (greedy answers) and general_magpie_sampled (sampled answers to its first requests), the two
+    files configs/data/general.yaml reads."""
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from specdec.data.distill import SHIPPED, _manifest_path, _paths, load_distilled
+
+    greedy, sampled = (SHIPPED.with_name(f"general_magpie{tail}.jsonl.gz") for tail in ("", "_sampled"))
+    assert _paths(list(OmegaConf.load(ROOT / "configs" / "data" / "general.yaml").source.path)) == [greedy, sampled]
+    sets = {path: load_distilled(path) for path in (greedy, sampled)}  # each refused unless its sha256 matches
+    for path, rows in sets.items():
+        manifest = json.loads(_manifest_path(path).read_text())
+        assert len(rows) == manifest["rows"] == len(set(rows["id"]))
+        assert sum(rows["response_tokens"]) == manifest["response_tokens"]
+        assert (manifest["temperature"] > 0) == (path == sampled)
+    request = {i: m[0]["content"] for i, m in zip(sets[greedy]["id"], sets[greedy]["messages"])}
+    # the sampled answers are to the greedy set's own requests, under the same ids (one side of the split)
+    assert all(request[i] == m[0]["content"] for i, m in zip(sets[sampled]["id"], sets[sampled]["messages"]))
