@@ -24,6 +24,7 @@ import torch
 from datasets import Dataset
 
 from specdec.base import Base
+from specdec.data.distill import load_distilled
 from specdec.data.overlap import Overlap, eval_texts
 from specdec.data.stream import stream
 from specdec.engines import build
@@ -133,8 +134,6 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
 def shipped_requests(shipped: str | Path, seed: int = 0) -> list[dict]:
     """The tries a shipped set of answers stands for: its requests, each kept, at its own index (ids
     "magpie:<seed>:<i>"; the dropped tries between them are not shipped, and none is needed to go on)."""
-    from specdec.data.distill import load_distilled  # distill runs this module's requests: imported when used
-
     rows = load_distilled(shipped)
     tries = []
     for row_id, turns in zip(rows["id"], rows["messages"]):
