@@ -108,16 +108,21 @@ distill: setup
 # no 13-gram shared with any evaluation prompt), then its own greedy answers to them, resumable, into
 # ~/.cache/specdec/distill/general, shipped as text with its manifest to GENERAL_SHIP; then sampled answers
 # (T = 0.7, top-p 0.95) to the first GENERAL_SAMPLED of those requests, shipped to GENERAL_SAMPLED_SHIP
-# (configs/data/general.yaml reads both; =null ships nothing). Larger counts extend the sets; with
-# DISTILL_FROM=shipped a fresh machine starts from the shipped requests and answers instead of making them again.
-# About 1.2 s an answer on 2 cores (3,000 greedy answers: 59 min on a Zen 3), and 1 min per 256 requests sampled
-# (about 200 kept); a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
-GENERAL_REQUESTS ?= 4000
-GENERAL_SAMPLED ?= 1000
+# (configs/data/general.yaml reads both; =null ships nothing); then, for the first GENERAL_FOLLOWUPS finished
+# conversations of the greedy set, a second request the base writes after its own answer (filtered the same way),
+# answered greedily with the whole conversation as the prompt, shipped to GENERAL_FOLLOWUPS_SHIP. Larger counts
+# extend the sets; with DISTILL_FROM=shipped a fresh machine starts from the shipped requests and answers instead of
+# making them again. About 1.2 s an answer on 2 cores (3,000 greedy answers: 59 min on a Zen 3), and 1 min per 256
+# requests sampled (about 200 kept); a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
+GENERAL_REQUESTS ?= 6200
+GENERAL_SAMPLED ?= 3400
+GENERAL_FOLLOWUPS ?= 800
 GENERAL_SHIP ?= specdec/data/shipped/general_magpie.jsonl.gz
 GENERAL_SAMPLED_SHIP ?= specdec/data/shipped/general_magpie_sampled.jsonl.gz
+GENERAL_FOLLOWUPS_SHIP ?= specdec/data/shipped/general_magpie_followups.jsonl.gz
 DISTILL_ENGINE ?= specdec
-GENERAL_COUNTS = GENERAL_REQUESTS=$(GENERAL_REQUESTS) GENERAL_SAMPLED=$(GENERAL_SAMPLED)
+GENERAL_COUNTS = GENERAL_REQUESTS=$(GENERAL_REQUESTS) GENERAL_SAMPLED=$(GENERAL_SAMPLED) \
+	GENERAL_FOLLOWUPS=$(GENERAL_FOLLOWUPS)
 shipped_from = $(if $(filter shipped,$(DISTILL_FROM)),$(or $(wildcard $(1)),null),null)
 MAGPIE := $(DISTILL) prompts._target_=specdec.data.magpie.requests +prompts._partial_=true \
 	'+prompts.cache=$${paths.cache_dir}/distill/general_requests.jsonl' \
@@ -129,6 +134,13 @@ distill-general: setup
 	$(MAGPIE) +prompts.count=$(GENERAL_SAMPLED) 'out_dir=$${paths.cache_dir}/distill/general_sampled' \
 	    sampler.temperature=0.7 sampler.top_p=0.95 start_from=$(call shipped_from,$(GENERAL_SAMPLED_SHIP)) \
 	    hydra.run.dir=logs/distill/general_magpie_sampled ship_to=$(GENERAL_SAMPLED_SHIP) \
+	    "ship_command='make distill-general $(GENERAL_COUNTS)'"
+	$(DISTILL) prompts._target_=specdec.data.magpie.follow_ups +prompts._partial_=true \
+	    +prompts.answered=$(GENERAL_SHIP) +prompts.count=$(GENERAL_FOLLOWUPS) \
+	    '+prompts.cache=$${paths.cache_dir}/distill/general_followups.jsonl' \
+	    +prompts.start_from=$(call shipped_from,$(GENERAL_FOLLOWUPS_SHIP)) limit=null backend=$(DISTILL_ENGINE) \
+	    'out_dir=$${paths.cache_dir}/distill/general_followups' start_from=$(call shipped_from,$(GENERAL_FOLLOWUPS_SHIP)) \
+	    hydra.run.dir=logs/distill/general_magpie_followups ship_to=$(GENERAL_FOLLOWUPS_SHIP) \
 	    "ship_command='make distill-general $(GENERAL_COUNTS)'"
 
 # The feature cache of the shipped text (one base pass; resumable). Train from it: python train.py data=cached

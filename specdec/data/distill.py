@@ -235,15 +235,19 @@ def _load_shipped(path: Path) -> Dataset:
 # -- prompts -----------------------------------------------------------------------------------------
 def _prompt_rows(prompts: Dataset, limit: int | None) -> list[tuple[str, list[dict]]]:
     """(id, prompt turns) of the first `limit` distinct prompts. A conversation is cut before its first assistant
-    turn: later turns would answer someone else's assistant. Without an `id` column the id hashes the turns."""
+    turn: later turns would answer someone else's assistant. Where the prompts' `base_turns` column is true, its
+    assistant turns are the base's own answers (magpie.follow_ups), so it is kept up to its last user turn. Without
+    an `id` column the id hashes the turns."""
     rows, seen = [], set()
     ids = prompts["id"] if "id" in prompts.column_names else None
+    own = prompts["base_turns"] if "base_turns" in prompts.column_names else None
     for n, messages in enumerate(prompts["messages"]):
-        turns = []
-        for m in messages:
-            if m["role"] == "assistant":
-                break
-            turns.append({"role": m["role"], "content": m["content"]})
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        roles = [t["role"] for t in turns]
+        if own is not None and own[n]:
+            turns = turns[: len(roles) - roles[::-1].index("user")] if "user" in roles else []
+        elif "assistant" in roles:
+            turns = turns[: roles.index("assistant")]
         key = str(ids[n]) if ids is not None else hashlib.sha256(json.dumps(turns).encode()).hexdigest()[:16]
         if key in seen or not any(t["role"] == "user" for t in turns):
             continue

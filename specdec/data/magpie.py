@@ -10,7 +10,11 @@ base answer them like any other source:
 Resumable: every sampled request (kept or not, and why) is kept in `cache` (a jsonl file), and a rerun continues
 from the next index; request i is sampled with its own generator seeded by (seed, i), so a set is reproducible.
 `start_from` (a shipped set, e.g. specdec/data/shipped/general_magpie.jsonl.gz) starts an empty cache from the
-requests that set kept, so a fresh machine extends the shipped set instead of sampling it again."""
+requests that set kept, so a fresh machine extends the shipped set instead of sampling it again.
+
+`follow_ups` makes two-turn conversations the same way: the template over a request and the base's own answer, up to
+the next open user turn, gives the base's second request, which distill then answers with the whole conversation as
+its prompt (`make distill-general` does all three: requests, their answers, follow-ups)."""
 
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ CHUNK = 256  # tries sampled between two appends to the cache
 SENTINEL = "\ue000"  # a private-use character no template contains: where the user's words would go
 
 
-def open_user_turn(tokenizer) -> list[int]:
-    """The chat template rendered up to where a user's first message would start (its system turn included)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+def open_user_turn(tokenizer, conversation: list[dict] = ()) -> list[int]:
+    """The chat template rendered over `conversation` (none: the template's system turn alone) up to where the user's
+    next message would start."""
+    text = tokenizer.apply_chat_template([*conversation, {"role": "user", "content": SENTINEL}], tokenize=False)
     return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
 
 
@@ -102,21 +107,14 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
     for t in tries:  # replayed through the filter: its duplicate index is rebuilt in the same order
         t["why"] = rule.why_not(t["text"], t["finished"])
     prefix = open_user_turn(base.tokenizer)
-    eos = base.config.eos_token_id
-    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    cfg = SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eos)
-    engine = build(device=base.device)
+    write = _writer(base, max_new_tokens, temperature, top_p, batch_size)
     while sum(t["why"] is None for t in tries) < count and len(tries) < 8 * count:
         # the next index: after the last one tried (a cache started from a shipped set holds only its kept ones)
         start = 1 + max((t["i"] for t in tries), default=-1)
         # in chunks, each appended to the cache as it ends: an interrupted run loses one chunk at most
         n = min(max(batch_size, count - sum(t["why"] is None for t in tries)), CHUNK)
-        gens = [torch.Generator(device=base.device).manual_seed(_seed(seed, start + k)) for k in range(n)]
-        new = [None] * n
-        for k, tokens in stream(base, [prefix] * n, cfg, batch_size, gens, engine=engine):
-            finished = bool(tokens) and tokens[-1] in eos
-            text = base.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            new[k] = {"i": start + k, "text": text, "finished": finished}
+        new = [{"i": start + k, **w} for k, w in enumerate(write([prefix] * n, [_seed(seed, start + k)
+                                                                             for k in range(n)]))]
         for t in new:
             t["why"] = rule.why_not(t["text"], t["finished"])
         tries += new
@@ -131,17 +129,86 @@ def requests(base: Base, count: int = 2000, seed: int = 0, temperature: float = 
                               "messages": [[{"role": "user", "content": t["text"]}] for t in kept]})
 
 
-def shipped_requests(shipped: str | Path, seed: int = 0) -> list[dict]:
-    """The tries a shipped set of answers stands for: its requests, each kept, at its own index (ids
-    "magpie:<seed>:<i>"; the dropped tries between them are not shipped, and none is needed to go on)."""
+def follow_ups(base: Base, answered: str, count: int = 500, seed: int = 0, temperature: float = 1.0,
+               top_p: float = 1.0, max_new_tokens: int = 96, batch_size: int = 32, cache: str | None = None,
+               filter: Filter | None = None, start_from: str | None = None) -> Dataset:
+    """Second user turns the base writes after its own answers: for each of the first `count` finished conversations
+    of `answered` (a distilled set of answers to `requests`, e.g. the shipped general_magpie.jsonl.gz, in request
+    order), the template over [request, answer] up to an open user turn, sampled once with a generator seeded by
+    (seed, request index), and filtered as requests are. Returns those kept as {id: the conversation's own (so a
+    conversation and its follow-up share a side of the split), messages: [request, answer, follow-up], base_turns:
+    True (distill keeps the base's own answer in the prompt)}. `cache` and `start_from` as for `requests`."""
+    rule = filter or Filter()
+    rows = load_distilled(answered)
+    first = sorted(((_index(i, seed, answered), m) for i, m, done in zip(rows["id"], rows["messages"], rows["finished"])
+                    if done), key=lambda r: r[0])[:count]
+    path = Path(cache).expanduser() if cache else None
+    tries = {}
+    if path is not None and path.exists():
+        tries = {t["i"]: t for t in map(json.loads, path.read_text().splitlines())}
+    if not tries and start_from:
+        tries = {t["i"]: t for t in shipped_requests(start_from, seed, turn=2)}
+        if path is not None:
+            _append(path, list(tries.values()))
+    todo = [(i, m) for i, m in first if i not in tries]
+    write = _writer(base, max_new_tokens, temperature, top_p, batch_size)
+    for lo in range(0, len(todo), CHUNK):  # in chunks appended to the cache, as `requests`
+        chunk = todo[lo : lo + CHUNK]
+        new = [{"i": i, **w} for (i, _), w in zip(chunk, write([open_user_turn(base.tokenizer, m) for _, m in chunk],
+                                                                [_seed(seed, f"{i}:2") for i, _ in chunk]))]
+        tries.update((t["i"], t) for t in new)
+        if path is not None:
+            _append(path, new)
+        print(f"[specdec] magpie: {lo + len(chunk)}/{len(todo)} follow-ups sampled", flush=True)
+    kept = []
+    for i, m in first:  # the filter in conversation order, as a run that never stopped
+        t = tries[i]
+        t["why"] = rule.why_not(t["text"], t["finished"])
+        if t["why"] is None:
+            kept.append((i, [*m, {"role": "user", "content": t["text"]}]))
+    print(f"[specdec] magpie: {len(first)} follow-ups: " + ", ".join(
+        f"{k if k != 'None' else 'kept'} {v}" for k, v in reasons([tries[i] for i, _ in first]).items()))
+    return Dataset.from_dict({"id": [f"magpie:{seed}:{i}" for i, _ in kept], "messages": [m for _, m in kept],
+                              "base_turns": [True] * len(kept)})
+
+
+def _writer(base: Base, max_new_tokens: int, temperature: float, top_p: float, batch_size: int):
+    """prefixes [n token-id lists], seeds [n] -> [{text, finished}] in order: what the base writes after each prefix
+    (its own generator per row), up to its end of turn."""
+    eos = base.config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    cfg = SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eos)
+    engine = build(device=base.device)
+
+    def write(prefixes: list[list[int]], seeds: list[int]) -> list[dict]:
+        gens = [torch.Generator(device=base.device).manual_seed(s) for s in seeds]
+        out = [None] * len(prefixes)
+        for k, tokens in stream(base, prefixes, cfg, batch_size, gens, engine=engine):
+            out[k] = {"text": base.tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+                      "finished": bool(tokens) and tokens[-1] in eos}
+        return out
+
+    return write
+
+
+def shipped_requests(shipped: str | Path, seed: int = 0, turn: int = 1) -> list[dict]:
+    """The tries a shipped set of answers stands for: its requests (turn 1; 2: a `follow_ups` set's second user
+    turns), each kept, at its own index (ids "magpie:<seed>:<i>"; the dropped tries between them are not shipped, and
+    none is needed to go on)."""
     rows = load_distilled(shipped)
     tries = []
     for row_id, turns in zip(rows["id"], rows["messages"]):
-        tag, row_seed, i = row_id.split(":")
-        if tag != "magpie" or int(row_seed) != seed:
-            raise ValueError(f"{shipped} holds {row_id!r}, not a magpie request of seed {seed}")
-        tries.append({"i": int(i), "text": turns[0]["content"], "finished": True})
+        user = [t["content"] for t in turns if t["role"] == "user"]
+        tries.append({"i": _index(row_id, seed, shipped), "text": user[turn - 1], "finished": True})
     return sorted(tries, key=lambda t: t["i"])  # in index order, as a run kept them
+
+
+def _index(row_id: str, seed: int, where: str | Path) -> int:
+    """The request index of a row id "magpie:<seed>:<i>"; another seed's or source's is refused."""
+    tag, row_seed, i = row_id.split(":")
+    if tag != "magpie" or int(row_seed) != seed:
+        raise ValueError(f"{where} holds {row_id!r}, not a magpie request of seed {seed}")
+    return int(i)
 
 
 def _append(path: Path, tries: list[dict]) -> None:
@@ -150,7 +217,7 @@ def _append(path: Path, tries: list[dict]) -> None:
         f.writelines(json.dumps({k: v for k, v in t.items() if k != "why"}) + "\n" for t in tries)
 
 
-def _seed(seed: int, i: int) -> int:
+def _seed(seed: int, i: int | str) -> int:
     return int.from_bytes(hashlib.sha256(f"magpie:{seed}:{i}".encode()).digest()[:8], "little") >> 1
 
 

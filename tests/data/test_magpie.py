@@ -22,6 +22,13 @@ def test_the_prompt_stops_where_the_user_would_start(base):
     assert full.startswith(text) and full[len(text):].startswith("hi")
 
 
+def test_a_follow_up_prompt_stops_where_the_next_user_turn_would_start(base):
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    text = base.tokenizer.decode(magpie.open_user_turn(base.tokenizer, talk))
+    full = base.tokenizer.apply_chat_template([*talk, {"role": "user", "content": "and then?"}], tokenize=False)
+    assert "hello there" in text and full.startswith(text) and full[len(text):].startswith("and then?")
+
+
 def test_the_filter_says_why():
     f = magpie.Filter()
     ok = "What is the best way to prepare for a marathon in the winter?"
@@ -78,6 +85,52 @@ def test_a_fresh_cache_started_from_a_shipped_set_extends_it(base, tmp_path, mon
     assert more["id"][5:] == whole["id"][6:] and more["messages"][5:] == whole["messages"][6:]
     with pytest.raises(ValueError, match="not a magpie request of seed 1"):
         magpie.requests(base, count=8, seed=1, cache=None, filter=magpie.Filter(**loose), start_from=str(shipped))
+
+
+def test_follow_ups_continue_the_base_s_own_conversations(base, tmp_path, monkeypatch):
+    """A second user turn after the base's answer: kept with that answer in the prompt, resumed from its cache,
+    answered by distill, and restarted from a shipped set of them."""
+    from specdec.data.distill import distill, load_distilled, ship
+
+    loose = dict(min_chars=1, max_chars=10_000, min_ascii_letters=0.0, max_similar=1.01)
+    monkeypatch.setattr(magpie.Filter, "why_not", lambda self, text, finished: None if text else "length")
+    asked = magpie.requests(base, count=6, max_new_tokens=8, batch_size=4, filter=magpie.Filter(**loose))
+    # every answer of the random tiny base ends after one token (each token ends it): finished conversations
+    every = list(range(len(base.tokenizer)))
+    distill(asked, base, str(tmp_path / "d"), SamplerConfig(max_new_tokens=4, eos_token_id=every), batch_size=3)
+    answered = {i: m for i, m in zip(*(load_distilled(tmp_path / "d")[c] for c in ("id", "messages")))}
+    cache = tmp_path / "follow_ups.jsonl"
+    kw = dict(max_new_tokens=8, batch_size=3, cache=str(cache))
+    first = magpie.follow_ups(base, str(tmp_path / "d"), count=4, filter=magpie.Filter(**loose), **kw)
+    assert first["id"] == asked["id"][:4] and all(first["base_turns"])  # request order, the conversations' own ids
+    for i, m in zip(first["id"], first["messages"]):
+        assert m[:2] == answered[i] and m[2]["role"] == "user" and m[2]["content"]
+    tried = cache.read_text()
+    again = magpie.follow_ups(base, str(tmp_path / "d"), count=4, filter=magpie.Filter(**loose), **kw)
+    assert again["messages"] == first["messages"] and cache.read_text() == tried  # read back, not sampled again
+    more = magpie.follow_ups(base, str(tmp_path / "d"), count=6, filter=magpie.Filter(**loose), **kw)
+    assert more["messages"][:4] == first["messages"] and len(more) == 6
+    # distill keeps the base's own answer in the prompt and answers the follow-up
+    distill(first, base, str(tmp_path / "f"), SamplerConfig(max_new_tokens=4), batch_size=3)
+    two = load_distilled(tmp_path / "f")
+    assert sorted((i, m[:3]) for i, m in zip(two["id"], two["messages"])) == sorted(zip(first["id"],
+                                                                                         first["messages"]))
+    assert {tuple(t["role"] for t in m) for m in two["messages"]} == {("user", "assistant", "user", "assistant")}
+    shipped = ship(tmp_path / "f", tmp_path / "ship" / "follow_ups.jsonl.gz")
+    fresh = magpie.follow_ups(base, str(tmp_path / "d"), count=4, filter=magpie.Filter(**loose), max_new_tokens=8,
+                              cache=str(tmp_path / "fresh.jsonl"), start_from=str(shipped))
+    assert fresh["messages"] == first["messages"]
+
+
+def test_a_conversation_is_cut_before_someone_else_s_answer_but_not_before_the_base_s_own():
+    from datasets import Dataset
+
+    from specdec.data.distill import _prompt_rows
+
+    talk = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"}]
+    rows = Dataset.from_dict({"id": ["x", "y"], "messages": [talk, talk], "base_turns": [False, True]})
+    assert _prompt_rows(rows, None) == [("x", talk[:1]), ("y", talk[:3])]
 
 
 def test_the_shipped_text_shares_no_13_gram_with_an_evaluation_prompt(capsys):
