@@ -142,16 +142,19 @@ def test_the_shipped_text_shares_no_13_gram_with_an_evaluation_prompt(capsys):
 
 
 def test_the_shipped_general_sets_match_their_manifests_and_share_their_requests():
-    """general_magpie (greedy answers) and general_magpie_sampled (sampled answers to its first requests), the two
-    files configs/data/general.yaml reads."""
+    """general_magpie (greedy answers), general_magpie_sampled (sampled answers to its first requests) and
+    general_magpie_followups (its first conversations, a second request and its answer added), the three files
+    configs/data/general.yaml reads."""
     from omegaconf import OmegaConf
 
     from conftest import ROOT
     from specdec.data.distill import SHIPPED, _manifest_path, _paths, load_distilled
 
-    greedy, sampled = (SHIPPED.with_name(f"general_magpie{tail}.jsonl.gz") for tail in ("", "_sampled"))
-    assert _paths(list(OmegaConf.load(ROOT / "configs" / "data" / "general.yaml").source.path)) == [greedy, sampled]
-    sets = {path: load_distilled(path) for path in (greedy, sampled)}  # each refused unless its sha256 matches
+    greedy, sampled, two = (SHIPPED.with_name(f"general_magpie{tail}.jsonl.gz")
+                            for tail in ("", "_sampled", "_followups"))
+    paths = _paths(list(OmegaConf.load(ROOT / "configs" / "data" / "general.yaml").source.path))
+    assert paths == [greedy, sampled, two]
+    sets = {path: load_distilled(path) for path in paths}  # each refused unless its sha256 matches
     for path, rows in sets.items():
         manifest = json.loads(_manifest_path(path).read_text())
         assert len(rows) == manifest["rows"] == len(set(rows["id"]))
@@ -160,3 +163,7 @@ def test_the_shipped_general_sets_match_their_manifests_and_share_their_requests
     request = {i: m[0]["content"] for i, m in zip(sets[greedy]["id"], sets[greedy]["messages"])}
     # the sampled answers are to the greedy set's own requests, under the same ids (one side of the split)
     assert all(request[i] == m[0]["content"] for i, m in zip(sets[sampled]["id"], sets[sampled]["messages"]))
+    # a two-turn conversation goes on from the greedy set's own request and answer, under its id
+    first = dict(zip(sets[greedy]["id"], sets[greedy]["messages"]))
+    assert all(m[:2] == first[i] and [t["role"] for t in m[2:]] == ["user", "assistant"]
+               for i, m in zip(sets[two]["id"], sets[two]["messages"]))
