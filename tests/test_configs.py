@@ -103,5 +103,8 @@ def test_makefile_distill_commands_compose(target: str):
             cfg = compose("distill", overrides=overrides)
         assert cfg.backend in ("specdec", "openai")
         _check_targets(cfg.decode_engine, f"{target}: decode_engine")
+        if target == "distill-general":  # requests, their answers, then the follow-ups to the answered ones
+            assert cfg.backend == "openai" and cfg.prompts._target_ in ("specdec.data.magpie.requests",
+                                                                        "specdec.data.magpie.follow_ups")
     if target == "distill-general":
-        assert cfg.backend == "openai" and cfg.prompts._target_ == "specdec.data.magpie.requests"
+        assert cfg.prompts._target_ == "specdec.data.magpie.follow_ups" and len(commands) == 3
