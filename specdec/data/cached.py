@@ -3,7 +3,9 @@ so a training step never runs the base. Drop-in for TextDataModule: python train
 
 Caches of other text can join the training split (`mix`): the targets are the base's own distribution over
 whatever text the blocks hold, so any text the base reads is training signal for a drafter; validation stays on
-the main cache, so its numbers compare with runs trained on that cache alone."""
+the main cache, so its numbers compare with runs trained on that cache alone. A mix cache larger than the main one
+would crowd it out of the batches; `mix_share` caps the mix caches' share of the training blocks with a seeded
+subset of their blocks (the same subset on every run of one seed, so a resumed run sees the same blocks)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from specdec.data.sampler import train_loader
 
 class FeatureShards(Dataset):
     """Blocks of one split across its memory-mapped shards. An item is
-    {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float}."""
+    {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float}.
+    keep: the blocks (indices into all the shards' blocks, in order) this dataset holds; None: every block."""
 
-    def __init__(self, roots: list[Path], layers: list[int]):
+    def __init__(self, roots: list[Path], layers: list[int], keep: np.ndarray | None = None):
         self.shards = []
         done = [p for root in roots if root.exists()
                 for p in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))]
@@ -35,11 +38,13 @@ class FeatureShards(Dataset):
         self.layers = layers
         sizes = [len(s["input_ids"]) for s in self.shards]
         self.starts = np.cumsum([0, *sizes])
+        self.keep = np.arange(self.starts[-1]) if keep is None else np.sort(np.asarray(keep, dtype=np.int64))
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return len(self.keep)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, item: int) -> dict:
+        i = int(self.keep[item])
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
         shard, r = self.shards[s], i - int(self.starts[s])
         return {
@@ -49,13 +54,26 @@ class FeatureShards(Dataset):
             "top_logp": torch.from_numpy(np.array(shard["top_logp"][r])),
         }
 
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the kept blocks [vocab_size]."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for shard, start, end in zip(self.shards, self.starts[:-1], self.starts[1:]):
+            rows = self.keep[(self.keep >= start) & (self.keep < end)] - start
+            ids = np.asarray(shard["input_ids"][rows], dtype=np.int64)  # [rows, T]
+            counts += torch.bincount(torch.from_numpy(ids).flatten(), minlength=vocab_size)
+        return counts
+
 
 class CachedFeatures(L.LightningDataModule):
     def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0, tokenizer=None,
-                 mix: list[str] | None = None):
+                 mix: list[str] | None = None, mix_share: float | None = None):
         """`tokenizer` is accepted so every data config is built the same way; the cache already holds token ids.
-        mix: further caches whose training blocks join this one's (same base; validation stays this cache's)."""
+        mix: further caches whose training blocks join this one's (same base; validation stays this cache's).
+        mix_share: at most this share of the training blocks comes from `mix` (0 <= share < 1); None: all of it."""
         super().__init__()
+        if mix_share is not None and not 0 <= mix_share < 1:
+            raise ValueError(f"mix_share must be in [0, 1) or null, got {mix_share}")
+        self.mix_share = mix_share
         self.path = Path(path).expanduser()
         self.meta = read_meta(self.path)
         self.mix = [Path(p).expanduser() for p in mix or []]
@@ -90,17 +108,26 @@ class CachedFeatures(L.LightningDataModule):
                     if have != meta["blocks"][name]:  # an interrupted features run
                         raise ValueError(f"feature cache {path} is incomplete: {name} has {have} of "
                                          f"{meta['blocks'][name]} blocks; rerun python -m specdec.data.features")
-            self.splits = {"train": FeatureShards([p / "train" for p in [self.path, *self.mix]], self.layers),
+            self.splits = {"train": FeatureShards([p / "train" for p in [self.path, *self.mix]], self.layers,
+                                                  keep=self._train_blocks()),
                            "val": FeatureShards([self.path / "val"], self.layers)}
+
+    def _train_blocks(self) -> np.ndarray | None:
+        """The training blocks kept under mix_share: all of the main cache's, then a seeded subset of the mix
+        caches' (indices into the blocks of [main, *mix] in order); None keeps every block."""
+        n_main = self.meta["blocks"]["train"]
+        n_mix = sum(m["blocks"]["train"] for m in self.mix_meta)
+        if self.mix_share is None:
+            return None
+        # mix / (main + mix) <= share  <=>  mix <= share * main / (1 - share)
+        take = min(n_mix, int(self.mix_share * n_main / (1 - self.mix_share)))
+        chosen = torch.randperm(n_mix, generator=torch.Generator().manual_seed(self.seed))[:take].numpy()
+        return np.concatenate([np.arange(n_main), n_main + chosen])
 
     def train_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the training blocks [vocab_size] (picks a reduced draft vocab)."""
         self.setup()
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for shard in self.splits["train"].shards:
-            counts += torch.bincount(torch.from_numpy(np.asarray(shard["input_ids"], dtype=np.int64)).flatten(),
-                                     minlength=vocab_size)
-        return counts
+        return self.splits["train"].token_counts(vocab_size)
 
     def train_dataloader(self) -> DataLoader:
         return train_loader(self.splits["train"], self.batch_size, self.seed, self.num_workers, self.trainer)

@@ -183,6 +183,34 @@ def test_mixed_caches_train_on_both_and_validate_on_the_first(corpus, tiny, tmp_
         CachedFeatures(str(main), mix=[str(tmp_path / "k4")])
 
 
+def test_mix_share_caps_the_mixed_caches_with_a_seeded_subset(corpus, tiny, tmp_path):
+    """data.mix_share: every main block stays, the mix caches give at most that share of the training blocks (the
+    same ones for one seed), and the draft vocab counts only the blocks kept."""
+    dm = text_blocks(corpus, tiny)
+    main, extra = tmp_path / "main", tmp_path / "extra"
+    cache_features(dm, tiny, str(main), layers=(LAST,), topk=8, max_train_blocks=2)
+    cache_features(dm, tiny, str(extra), layers=(LAST,), topk=8)
+    n_extra = len(dm.blocks["train"])
+    assert n_extra >= 3  # so a share of 0.5 (2 of them beside the main cache's 2) drops some
+
+    def train_split(share, seed=0):
+        cached = CachedFeatures(str(main), mix=[str(extra)], mix_share=share, seed=seed)
+        cached.setup()
+        return cached, [tuple(cached.splits["train"][i]["input_ids"].tolist()) for i in range(len(cached.splits["train"]))]
+
+    everything = train_split(None)[1]
+    assert len(everything) == 2 + n_extra
+    cached, half = train_split(0.5)
+    assert len(half) == 4 and half[:2] == everything[:2] and set(half[2:]) <= set(everything[2:])
+    assert train_split(0.5)[1] == half  # one seed, one subset
+    assert train_split(0.0)[1] == everything[:2]
+    assert int(cached.train_token_counts(tiny.vocab_size).sum()) == 4 * 32
+    expected = torch.bincount(torch.tensor(half).flatten(), minlength=tiny.vocab_size)
+    assert torch.equal(cached.train_token_counts(tiny.vocab_size), expected)
+    with pytest.raises(ValueError, match="mix_share"):
+        CachedFeatures(str(main), mix=[str(extra)], mix_share=1.0)
+
+
 @pytest.mark.parametrize("drafter", ["medusa", "early_exit"])
 def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     """python train.py data=cached trains and saves a drafter, and the base never runs a forward."""
