@@ -4,8 +4,8 @@ so a training step never runs the base. Drop-in for TextDataModule: python train
 Caches of other text can join the training split (`mix`): the targets are the base's own distribution over
 whatever text the blocks hold, so any text the base reads is training signal for a drafter; validation stays on
 the main cache, so its numbers compare with runs trained on that cache alone. A mix cache larger than the main one
-would crowd it out of the batches; `mix_share` caps the mix caches' share of the training blocks with a seeded
-subset of their blocks (the same subset on every run of one seed, so a resumed run sees the same blocks)."""
+would crowd it out of the batches; `mix_share` caps the mix caches' share of the training blocks with the first of
+their (shuffled) blocks, the same on every run, so a resumed run sees the same blocks."""
 
 from __future__ import annotations
 
@@ -113,16 +113,20 @@ class CachedFeatures(L.LightningDataModule):
                            "val": FeatureShards([self.path / "val"], self.layers)}
 
     def _train_blocks(self) -> np.ndarray | None:
-        """The training blocks kept under mix_share: all of the main cache's, then a seeded subset of the mix
-        caches' (indices into the blocks of [main, *mix] in order); None keeps every block."""
-        n_main = self.meta["blocks"]["train"]
-        n_mix = sum(m["blocks"]["train"] for m in self.mix_meta)
+        """The training blocks kept under mix_share (indices into the blocks of [main, *mix] in order): all of the main
+        cache's, then the first blocks of each mix cache, in proportion to its size. A cache's training split is
+        stored shuffled, so its first blocks are a seeded sample of it, and the same blocks a cache built with
+        `max_train_blocks` holds. None keeps every block."""
         if self.mix_share is None:
             return None
+        sizes = [self.meta["blocks"]["train"], *(m["blocks"]["train"] for m in self.mix_meta)]
+        n_main, n_mix = sizes[0], sum(sizes[1:])
         # mix / (main + mix) <= share  <=>  mix <= share * main / (1 - share)
         take = min(n_mix, int(self.mix_share * n_main / (1 - self.mix_share)))
-        chosen = torch.randperm(n_mix, generator=torch.Generator().manual_seed(self.seed))[:take].numpy()
-        return np.concatenate([np.arange(n_main), n_main + chosen])
+        starts = np.cumsum([0, *sizes])
+        kept = [np.arange(n_main)] + [starts[i] + np.arange(take * sizes[i] // n_mix)
+                                      for i in range(1, len(sizes))]
+        return np.concatenate(kept)
 
     def train_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the training blocks [vocab_size] (picks a reduced draft vocab)."""

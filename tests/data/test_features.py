@@ -183,9 +183,9 @@ def test_mixed_caches_train_on_both_and_validate_on_the_first(corpus, tiny, tmp_
         CachedFeatures(str(main), mix=[str(tmp_path / "k4")])
 
 
-def test_mix_share_caps_the_mixed_caches_with_a_seeded_subset(corpus, tiny, tmp_path):
-    """data.mix_share: every main block stays, the mix caches give at most that share of the training blocks (the
-    same ones for one seed), and the draft vocab counts only the blocks kept."""
+def test_mix_share_caps_the_mixed_caches_with_their_first_blocks(corpus, tiny, tmp_path):
+    """data.mix_share: every main block stays, the mix caches give at most that share of the training blocks (their
+    first blocks: the ones a cache built with max_train_blocks holds), and the draft vocab counts only those."""
     dm = text_blocks(corpus, tiny)
     main, extra = tmp_path / "main", tmp_path / "extra"
     cache_features(dm, tiny, str(main), layers=(LAST,), topk=8, max_train_blocks=2)
@@ -193,17 +193,20 @@ def test_mix_share_caps_the_mixed_caches_with_a_seeded_subset(corpus, tiny, tmp_
     n_extra = len(dm.blocks["train"])
     assert n_extra >= 3  # so a share of 0.5 (2 of them beside the main cache's 2) drops some
 
-    def train_split(share, seed=0):
-        cached = CachedFeatures(str(main), mix=[str(extra)], mix_share=share, seed=seed)
+    def train_split(share, mix=(extra,)):
+        cached = CachedFeatures(str(main), mix=[str(m) for m in mix], mix_share=share)
         cached.setup()
         return cached, [tuple(cached.splits["train"][i]["input_ids"].tolist()) for i in range(len(cached.splits["train"]))]
 
     everything = train_split(None)[1]
     assert len(everything) == 2 + n_extra
     cached, half = train_split(0.5)
-    assert len(half) == 4 and half[:2] == everything[:2] and set(half[2:]) <= set(everything[2:])
-    assert train_split(0.5)[1] == half  # one seed, one subset
+    assert half == everything[:4]
     assert train_split(0.0)[1] == everything[:2]
+    first = tmp_path / "first"  # a mix cache of only the blocks the share keeps: the same training split
+    cache_features(dm, tiny, str(first), layers=(LAST,), topk=8, max_train_blocks=2)
+    assert train_split(0.5, mix=(first,))[1] == half
+    assert len(train_split(0.5, mix=(extra, extra))[1]) == 4  # two mix caches: one block from each
     assert int(cached.train_token_counts(tiny.vocab_size).sum()) == 4 * 32
     expected = torch.bincount(torch.tensor(half).flatten(), minlength=tiny.vocab_size)
     assert torch.equal(cached.train_token_counts(tiny.vocab_size), expected)
