@@ -124,7 +124,7 @@ class CachedFeatures(L.LightningDataModule):
         # mix / (main + mix) <= share  <=>  mix <= share * main / (1 - share)
         take = min(n_mix, int(self.mix_share * n_main / (1 - self.mix_share)))
         starts = np.cumsum([0, *sizes])
-        kept = [np.arange(n_main)] + [starts[i] + np.arange(take * sizes[i] // n_mix)
+        kept = [np.arange(n_main)] + [starts[i] + np.arange(take * sizes[i] // max(n_mix, 1))
                                       for i in range(1, len(sizes))]
         return np.concatenate(kept)
 
