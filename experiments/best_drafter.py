@@ -104,5 +104,6 @@ def _run_line(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    # the tiny base trains on raw code: it has no feature caches to mix
-    main(NAME, build, smoke_train=(*SMOKE_FROM_RAW_CODE, "~data.mix"), smoke_eval=("passes=1",), evaluate=evaluate)
+    # the tiny base trains on raw code: it has no feature caches to mix, nor a share of them to cap
+    main(NAME, build, smoke_train=(*SMOKE_FROM_RAW_CODE, "~data.mix", "~data.mix_share"), smoke_eval=("passes=1",),
+         evaluate=evaluate)
