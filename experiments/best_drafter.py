@@ -1,9 +1,10 @@
 """Table `best_drafter`: the best recipe against every decoder that needs no training. The prophet recipe
-(configs/experiment/best_drafter/train.yaml: 1,500 of its 3,000 steps, on every completion-format code answer shipped
-with the general-domain text the base writes itself mixed in) first drafts each shape of eval.yaml (chains of 1-4, an
-11-node tree) on HumanEval's tuning split; the shape whose drafter alone ran fastest against our AR loop there is
-the one reported, on HumanEval's reporting split and on the non-code question set, alone and with n-gram lookup
-rounds, beside lookup alone, our AR loop and llama.cpp on the same GGUF.
+(configs/experiment/best_drafter/train.yaml: its 3,000 steps, on every completion-format code answer shipped with the
+general-domain text the base writes itself mixed in) first drafts each shape of eval.yaml (chains of 1-4, an 11-node
+tree), each from Q8_0 and from Q4_1 copies of its weights (engine.draft_precision), on HumanEval's tuning split; the
+draft whose drafter alone ran fastest against our AR loop there is the one reported, on HumanEval's reporting split
+and on the non-code question set, alone and with n-gram lookup rounds, beside lookup alone, our AR loop and llama.cpp
+on the same GGUF.
 
     make features-completions features-general peers
     python experiments/best_drafter.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
@@ -28,38 +29,52 @@ def drafter_method(report: dict) -> str:
 
 
 def choose(tuned: dict[str, dict]) -> str | None:
-    """The shape whose drafter alone ran fastest against our AR loop on the tuning split."""
-    speed = {shape: method_row(r, drafter_method(r), {}).get("speedup_vs_ar") for shape, r in tuned.items()}
+    """The tuning job (shape/precision) whose drafter alone ran fastest against our AR loop on the tuning split."""
+    speed = {job: method_row(r, drafter_method(r), {}).get("speedup_vs_ar") for job, r in tuned.items()}
     ranked = [s for s in speed if speed[s] is not None]  # (a job without the drafter's row)
     return max(ranked, key=speed.get, default=None)
 
 
 def evaluate(root: Path, overrides: list[str]) -> list[str]:
-    """The tuning sweep, then the report with the shape it chose."""
+    """The tuning sweep, then the report with the draft it chose."""
     failed = _run("evaluate.py", f"experiment={NAME}/tune", overrides)
-    shape = choose(eval_reports(root, "tune"))
-    if shape is None:
-        print(f"[specdec] table {NAME}: no tuning job finished, so no shape to report")
+    tuned = eval_reports(root, "tune")
+    job = choose(tuned)
+    if job is None:
+        print(f"[specdec] table {NAME}: no tuning job finished, so no draft to report")
         return failed + ["evaluate.py"]
-    print(f"[specdec] table {NAME}: the tuning split chose shape={shape}", flush=True)
-    return failed + _run("evaluate.py", f"experiment={NAME}/eval", [*overrides, f"shape={shape}"])
+    chosen = draft_overrides(tuned[job])
+    print(f"[specdec] table {NAME}: the tuning split chose {' '.join(chosen)}", flush=True)
+    return failed + _run("evaluate.py", f"experiment={NAME}/eval", [*overrides, *chosen])
+
+
+def draft_overrides(report: dict) -> list[str]:
+    """What a report's draft was: its shape and its drafter's weight precision, as evaluate.py overrides."""
+    cfg = report["config"]
+    return [f"shape={cfg['shape']}", f"engine.draft_precision={cfg['engine']['draft_precision']}"]
+
+
+def draft_name(report: dict) -> str:
+    """The draft column's cell: shape, precision."""
+    cfg = report["config"]
+    return f"{cfg['shape']}, {cfg['engine']['draft_precision']}"
 
 
 def build(root: Path) -> Table:
     tuned, reports = eval_reports(root, "tune"), eval_reports(root)
     chosen = choose(tuned)
     rows = []
-    for shape, r in tuned.items():
+    for job, r in tuned.items():
         me = method_row(r, drafter_method(r), None)
         if me is not None:
-            rows.append({"prompts": "humaneval (tuning split)", "shape": shape + " (chosen)" * (shape == chosen),
+            rows.append({"prompts": "humaneval (tuning split)", "shape": draft_name(r) + " (chosen)" * (job == chosen),
                          "method": me["method"], **_cells(me, r)})
     for prompts, r in reports.items():
         me = drafter_method(r)
         for method in (AR, me, f"{me}+lookup", LOOKUP, *PEERS):
             row = method_row(r, method, None)
             if row is not None:
-                rows.append({"prompts": prompts, "shape": r["config"]["shape"] if method.startswith(me) else "—",
+                rows.append({"prompts": prompts, "shape": draft_name(r) if method.startswith(me) else "—",
                              "method": method, **_cells(row, r)})
 
     def plot(fig):
@@ -74,14 +89,14 @@ def build(root: Path) -> Table:
 
     first = next(iter(tuned.values()), None)
     notes = [f"humaneval (tuning split): {first['header']['prompts']}, {first['header']['max_new_tokens']} new tokens, "
-             "one pass per shape; the chosen shape is the one whose drafter alone ran fastest there against our AR "
-             "loop." if first else "no tuning run finished."]
+             "one pass per draft (shape, weight precision: engine.draft_precision); the chosen one is the one whose "
+             "drafter alone ran fastest there against our AR loop." if first else "no tuning run finished."]
     notes += [f"{prompts}: {_run_line(r)}; speedups: mean ± standard deviation over the passes; × lookup and × "
               "llama.cpp: the ratio of the means (llama.cpp: its plain decode)." for prompts, r in reports.items()]
     notes.append("c: draft time per depth, o: a round's time beyond its verify and draft, both in T_1 (one AR step's "
                  "bare forward, measured in the same run; docs/sampler.md §8).")
     return Table("The best recipe against decoding that needs no training", rows,
-                 {"prompts": "prompts", "shape": "draft shape", "method": "method", "tau": "τ", "alpha": "α",
+                 {"prompts": "prompts", "shape": "draft (shape, precision)", "method": "method", "tau": "τ", "alpha": "α",
                   "c": "c", "o": "o", "tok_s": "tok/s", "vs_ar": "× AR (ours)", "vs_lookup": "× lookup",
                   "vs_llama": "× llama.cpp", "identical": "greedy-identical"}, plot, notes)
 

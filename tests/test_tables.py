@@ -15,7 +15,7 @@ from conftest import ROOT
 # table -> rows its smoke variant must produce
 TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
           "self_speculative": 6, "draft_model": 3, "eagle3_vs_prophet": 2, "general_domain": 4,
-          "best_drafter": 13}
+          "best_drafter": 18}
 FAILED_JOB = ("leviathan", "train:module.optimizer.lr=-1")  # every training job fails: AdamW refuses lr < 0
 
 
@@ -49,7 +49,7 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, tuple[Future, object]]:
 
 
 # the smoke runs over ~30 s on a 2-core CPU go to make test-long: 40-45 s on a Zen 5 (general_domain: two trainings and
-# two evaluations; best_drafter: seven evaluation jobs in two stages), and 50-54 s on a Zen 3, where with them make
+# two evaluations; best_drafter: twelve evaluation jobs in two stages), and 50-54 s on a Zen 3, where with them make
 # test took 10 min 52 s (self_speculative, exit_layer, eagle3_vs_prophet)
 LONG = {"drafters", "medusa_heads", "leviathan", "general_domain", "best_drafter", "self_speculative", "exit_layer",
         "eagle3_vs_prophet"}
@@ -78,6 +78,14 @@ def test_table_smoke(table, smoke_runs):
         assert {(r["prompts"], r["tree"]) for r in rows} == {(p, t) for p in ("humaneval", "question")
                                                             for t in ("chain", "dynamic_tree")}
         assert {r["method"] for r in rows} == {"ar (ours)", "medusa", "hydra", "earlyexit", "prophet"}
+    if table == "best_drafter":  # every shape from both weight precisions; the report drafts the one chosen
+        tuned = [r for r in rows if r["prompts"] == "humaneval (tuning split)"]
+        drafts = [r["shape"].removesuffix(" (chosen)") for r in tuned]
+        assert {d.split(", ")[1] for d in drafts} == {"q8", "q4a8"} and len(set(drafts)) == 10
+        chosen = [r for r in tuned if r["shape"].endswith(" (chosen)")]
+        assert len(chosen) == 1 and float(chosen[0]["vs_ar"]) == max(float(r["vs_ar"]) for r in tuned)
+        reported = {r["shape"] for r in rows if r not in tuned and r["method"].startswith("prophet")}
+        assert reported == {chosen[0]["shape"].removesuffix(" (chosen)")}
 
 
 def test_table_with_a_failed_job_exits_nonzero(smoke_runs):
