@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python experiments/profile_round.py logs/recipe/prophet_complete/drafter [--gamma 2]
     ... --paths '[[0], [1]]'   # a static tree's rounds instead of a chain's
     ... --compare-kernels   # v(γ+1) with one kernel forced for every row count above 1, against the measured choice
+    ... --draft-precision q4a8   # the drafter's weight copies (engine.draft_precision; default the engine's, q8)
 
 For a few HumanEval prompts (T = 0, chain γ, the measured kernels): the median verify and draft time per round, and
 v = verify / AR step measured in decode (bench_ar.py's verify-cost curve times a bare forward between other
@@ -28,6 +29,7 @@ from specdec.base import load_base  # noqa: E402
 from specdec.checkpoint import load_drafter  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
 from specdec.engines import build  # noqa: E402
+from specdec.engines.config import EngineConfig  # noqa: E402
 from specdec.engines.cpu.kernels import CANDIDATES, default_table  # noqa: E402
 from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
@@ -43,11 +45,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="ops listed per profile")
     ap.add_argument("--compare-kernels", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the table then lists GPU time too)")
+    ap.add_argument("--draft-precision", default=EngineConfig.draft_precision,
+                    help="engine.draft_precision: fp32, bf16, q8, q4 or q4a8")
     args = ap.parse_args()
     base = load_base(device=args.device)
     gpu = base.device.type == "cuda"
     drafter = load_drafter(args.drafter, base)
-    fast = build(device=base.device)  # the engine evaluate.py runs (engine=auto)
+    fast = build(EngineConfig(draft_precision=args.draft_precision), device=base.device)  # evaluate.py's engine=auto
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": it["turns"][0]}])
                for it in humaneval(args.prompts + 1, split="tune")]
     shape = dict(tree="static", paths=json.loads(args.paths)) if args.paths else dict(gamma=args.gamma)
@@ -55,7 +59,8 @@ def main() -> None:
     generate(base, prompts[:1], None, ar, engine=fast), generate(base, prompts[:1], drafter, spec,
                                                                  engine=fast)  # warm-up (kernel table too)
     where = torch.cuda.get_device_name(base.device) if gpu else machine_key()
-    print(f"[{where}] {f'tree {args.paths}' if args.paths else f'γ = {args.gamma}'}; ms per round, medians")
+    print(f"[{where}] {f'tree {args.paths}' if args.paths else f'γ = {args.gamma}'}, draft precision "
+          f"{args.draft_precision}; ms per round, medians")
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     for p in prompts[1:]:  # one prompt at a time, AR and the drafter back to back: drift hits both alike
         a, r = generate(base, [p], None, ar, engine=fast), generate(base, [p], drafter, spec, engine=fast)
