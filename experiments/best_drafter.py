@@ -1,10 +1,10 @@
 """Table `best_drafter`: the best recipe against every decoder that needs no training. The prophet recipe
-(configs/experiment/best_drafter/train.yaml: its 3,000 steps, on every completion-format code answer shipped with the
-general-domain text the base writes itself mixed in) first drafts each shape of eval.yaml (chains of 1-4, an 11-node
-tree), each from Q8_0 and from Q4_1 copies of its weights (engine.draft_precision), on HumanEval's tuning split; the
-draft whose drafter alone ran fastest against our AR loop there is the one reported, on HumanEval's reporting split
-and on the non-code question set, alone and with n-gram lookup rounds, beside lookup alone, our AR loop and llama.cpp
-on the same GGUF.
+(configs/experiment/best_drafter/train.yaml: 1,500 of its 3,000 steps, on every completion-format code answer
+shipped with the general-domain text the base writes itself mixed in) first drafts each shape of eval.yaml (chains
+of 1-4, an 11-node tree), each from Q8_0 and from Q4_1 copies of its weights (engine.draft_precision), on HumanEval's
+tuning split; the draft whose drafter alone ran fastest against our AR loop there is the one reported, on
+HumanEval's reporting split and on the non-code question set, alone and with n-gram lookup rounds, beside lookup
+alone, our AR loop and llama.cpp on the same GGUF.
 
     make features-completions features-general peers
     python experiments/best_drafter.py [--smoke] [--render] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]
