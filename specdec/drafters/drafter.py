@@ -89,10 +89,11 @@ class DraftContext(Protocol):
         ...
 
     def feature_chain(self, drafter: nn.Module, parts: ChainParts, root: torch.Tensor, gamma: int, store: str,
-                      position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      position_offset: int, stop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A feature drafter's greedy chain of γ tokens from its root entry's layer output root [1, 1, H], as its
         `expand` calls would draft it depth by depth, in one call where the sampler's engine has one -> (tokens
-        [1, γ] base ids, each depth's ĥ [1, γ, H]); None: draft it depth by depth."""
+        [1, γ] base ids, each depth's ĥ [1, γ, H]); None: draft it depth by depth. With stop > 0 (an adaptive draft
+        length) the chain ends after its first token whose top-1 probability is < stop: [1, d] and [1, d, H], d ≤ γ."""
         ...
 
     def feature_entries(self, drafter: nn.Module, parts: ChainParts, features: torch.Tensor, tokens: torch.Tensor,
@@ -225,6 +226,14 @@ class Drafter(nn.Module):
         (trees.StaticTree.fan): [B, γ − 1 + top], the last depth's `top` best tokens, best first, in place of its
         top-1. None (the default, or where it cannot this round): the sampler expands the tree depth by depth. Where
         both run, the sampler times them and keeps the faster (trees._greedy_chain)."""
+        return None
+
+    def adaptive_chain(self, state: Any, ctx: DraftContext, root: torch.Tensor, gamma: int,
+                       stop: float) -> torch.Tensor | None:
+        """`greedy_chain` under an adaptive draft length (sampling/adaptive.py): the chain ends after its first token
+        whose top-1 probability is < stop, as trees.draft_static's depth-by-depth loop would end it -> tokens [B, d],
+        d ≤ γ, the deeper depths never run. None (the default, or where it cannot this round): the sampler drafts it
+        depth by depth."""
         return None
 
     # -- drafters with nothing to train by gradient ---------------------------------------------

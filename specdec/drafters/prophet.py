@@ -235,13 +235,16 @@ class Prophet(Drafter):
                      top: int = 1) -> torch.Tensor | None:
         """The chain's `expand` calls as one native call (one row on the CPU, native layers attached), else None (and
         for a chain that fans out at its end, top > 1)."""
-        if top > 1:
-            return None
-        drafted = ctx.feature_chain(self, self._native_parts, state["root"], gamma, STORE, POSITION_OFFSET)
+        return None if top > 1 else self.adaptive_chain(state, ctx, root, gamma, 0.0)
+
+    def adaptive_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
+                       stop: float) -> torch.Tensor | None:
+        """The same native call, ended after its first token of top-1 probability < stop (stop 0: all γ)."""
+        drafted = ctx.feature_chain(self, self._native_parts, state["root"], gamma, STORE, POSITION_OFFSET, stop)
         if drafted is None:
             return None
-        tokens, hats = drafted  # [1, γ], [1, γ, H]
-        state["hats"] = NodeTable.of(hats)  # nodes 0 .. γ-1, as the chain's expand calls leave it
+        tokens, hats = drafted  # [1, d], [1, d, H] (d = γ without a stop)
+        state["hats"] = NodeTable.of(hats)  # nodes 0 .. d-1, as the chain's expand calls leave it
         return tokens
 
     def _parts(self) -> ChainParts:

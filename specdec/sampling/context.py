@@ -293,9 +293,9 @@ class SamplingContext:
 
     # -- a drafter's calls in one go, where the engine has them (DraftContext) -------------------------
     def feature_chain(self, drafter: nn.Module, parts, root: torch.Tensor, gamma: int, store: str,
-                      position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      position_offset: int, stop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """DraftContext.feature_chain: the engine's whole greedy chain of a feature drafter, or None."""
-        return self.engine.feature_chain(drafter, parts, self, root, gamma, store, position_offset)
+        return self.engine.feature_chain(drafter, parts, self, root, gamma, store, position_offset, stop)
 
     def feature_entries(self, drafter: nn.Module, parts, features: torch.Tensor, tokens: torch.Tensor, store: str,
                         position_offset: int, otherwise) -> torch.Tensor:

@@ -199,8 +199,7 @@ class Decode:
             if whole is not None:
                 return whole
         draw = sample_chain_fn(cfg.temperature, cfg.top_k, cfg.top_p, self.uniform) if sampled else None
-        return draft_static(drafter, self.state, ctx, self.root, paths, draw,
-                            self.length.keep_going if self.length is not None else None)
+        return draft_static(drafter, self.state, ctx, self.root, paths, draw, self.length)
 
     def _lookup(self) -> Round | None:
         """An n-gram lookup round when every row still decoding has a match (history: prompt + answer so far, the

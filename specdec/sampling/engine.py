@@ -70,9 +70,9 @@ class Engine:
         return None
 
     def feature_chain(self, drafter: nn.Module, parts, ctx, root: torch.Tensor, gamma: int, store: str,
-                      position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      position_offset: int, stop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A feature drafter's greedy chain (drafters.drafter.ChainParts) in one call -> (tokens [1, γ], ĥ [1, γ, H]),
-        or None."""
+        or None; with stop > 0 ended after its first token of top-1 probability < stop ([1, d], [1, d, H], d ≤ γ)."""
         return None
 
     def feature_entries(self, drafter: nn.Module, parts, ctx, features: torch.Tensor, tokens: torch.Tensor,

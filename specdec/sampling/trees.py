@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specdec.drafters.drafter import Drafter
+from specdec.sampling.adaptive import DraftLength
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.verify import process_logits, sample
 
@@ -186,26 +187,43 @@ def static_tree(paths: tuple[Path, ...]) -> StaticTree:
 def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor,
                  paths: Sequence[Sequence[int]],
                  sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 keep_going: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Round:
+                 length: DraftLength | None = None) -> Round:
     """A static tree (chains included; `paths` are closed by `static_tree`): at each depth expand the nodes that have
     children and take, for the child with path P + (k,), the k-th top token of its parent's draft logits. With
     `sample_chain` (sampling at T > 0 on a chain) the single child is instead drawn from the post-processed q, which
     is kept.
-    With `keep_going` (adaptive draft length, chains only) each row's chain ends after its first token for which
-    keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
+    With `length` (adaptive draft length, chains only) each row's chain ends after its first token for which
+    length.keep_going(top1) [B] is false, top1 [B] = the draft's top-1 probability (of the q it samples from, or of
     softmax(logits) at T = 0); that token is still proposed (its logits are paid for). The round's chain, shared by
     the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification. A chain with
     neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops; so is a chain that
-    fans out at its end (StaticTree.fan)."""
+    fans out at its end (StaticTree.fan); and one row's adaptive chain at T = 0 by the drafter's `adaptive_chain`
+    where it has one and the engine's race finds it faster per depth drafted (the prophet's is one native call on the
+    CPU, which ends the chain itself)."""
     tree = static_tree(tuple(map(tuple, paths)))
-    if tree.fan and sample_chain is None and keep_going is None:
+    if tree.fan and sample_chain is None and length is None:
         return _greedy_chain(drafter, state, ctx, root, tree)
+    race = None  # one row's adaptive chain at T = 0: the drafter's adaptive_chain or the loop below, the faster kept
+    if length is not None and tree.fan == 1 and sample_chain is None and root.shape[0] == 1:
+        race = ctx.engine.race(drafter, ("adaptive", len(tree.levels)))
+        whole = race is None or race.first()
+        start = time.perf_counter()
+        drafted = drafter.adaptive_chain(state, ctx, root, len(tree.levels), length.threshold) if whole else None
+        if drafted is not None:  # [1, d]
+            size = drafted.shape[1] + 1
+            if race is not None:
+                race.record(True, (time.perf_counter() - start) / (size - 1))  # per depth: the lengths differ
+            return Round(tokens=torch.cat([root[:, None], drafted], 1), parents=tree.parents[:size],
+                         depth=tree.depth[:size], ancestors=tree.ancestors[:size, :size], draft_slots=tree.slots[:size],
+                         limit=torch.full_like(root, size - 1))
+        race = None if whole else race  # (declined this round: not timed)
+        start = time.perf_counter()
     size = tree.depth.numel()
     tokens = root.new_zeros(root.shape[0], size)  # [B, N]
     tokens[:, 0] = root
     qs = []  # [B, V] per drafted node (sampled chains)
     limit = going = None
-    if keep_going is not None:
+    if length is not None:
         limit = torch.full_like(root, len(tree.levels))  # [B]
         going = torch.ones_like(root, dtype=torch.bool)  # [B] rows still drafting
     on_device = ctx.on_device  # the levels' indices copied once (an index in host memory would be a blocking copy)
@@ -224,14 +242,16 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
             top = drafter.token_ids(logits.argmax(-1, keepdim=True) if level.top == 1
                                     else logits.topk(level.top, dim=-1).indices)
             tokens[:, on_device(level.kids)] = top[:, on_device(level.parent_pos), on_device(level.rank)]
-        if keep_going is not None and level.depth + 1 < len(tree.levels):
+        if length is not None and level.depth + 1 < len(tree.levels):
             probs = q if q is not None else logits[:, 0].float().softmax(-1)  # [B, V] or [B, V_d]: the same top-1
-            stop = going & ~keep_going(probs.max(-1).values)  # [B] rows whose chain ends at depth d + 1
+            stop = going & ~length.keep_going(probs.max(-1).values)  # [B] rows whose chain ends at depth d + 1
             limit = torch.where(stop, level.depth + 1, limit)
             going = going & ~stop
             if not bool(going.any()):
                 size = int(level.kids.max()) + 1  # nodes are numbered by depth: the deeper ones were never drafted
                 break
+    if race is not None:
+        race.record(False, (time.perf_counter() - start) / (size - 1))
     return Round(
         tokens=tokens[:, :size], parents=tree.parents[:size], depth=tree.depth[:size],
         ancestors=tree.ancestors[:size, :size], draft_slots=tree.slots[:size],

@@ -67,6 +67,13 @@ static int argmax(const float *x, int n) {
     return best;
 }
 
+/* softmax(x [n])'s probability at its largest entry x[best]: 1 / Σ exp(x_i − x_best), the sum in double */
+static float top1(const float *x, int n, int best) {
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += __builtin_exp((double)x[i] - x[best]);
+    return (float)(1.0 / sum);
+}
+
 /* floats of `work` smallm_feature_chain needs (its own; the layers' scratch is passed apart) */
 long smallm_chain_work(const chain_t *C) { return 3L * C->hidden + C->draft_vocab; }
 
@@ -74,10 +81,14 @@ long smallm_chain_work(const chain_t *C) { return 3L * C->hidden + C->draft_voca
    drafter's observe ran); depth d ≥ 1 runs the layers over fc([ĥ_{d-1}; norm(emb(token_d))]) at rotary row d - 1 of
    cos, sin [steps - 1, rope_dim], writing its key and value at slot `slot` + d and attending to slots
    [0, slot + d + 1) (all of them: a chain's query sees its whole window). Writes tokens [steps] (base ids) and
-   hats [steps, H] (each depth's ĥ). Returns 0, or the layers' -1 for a window they do not take (what was written
-   before that depth stays written, as a Python chain stopped there would leave it). */
+   hats [steps, H] (each depth's ĥ). With stop > 0 (an adaptive draft length, trees.draft_static's keep_going) the
+   chain ends after its first token whose top-1 probability (softmax of that depth's draft logits) is < stop: the
+   depths after it are not run. Returns the depths drafted (steps, or fewer with stop), or the layers' -1 for a window
+   they do not take (what was written before that depth stays written, as a Python chain stopped there would leave
+   it). */
 int smallm_feature_chain(const chain_t *C, const float *root, int steps, const float *cos, const float *sin,
-                         int64_t slot, float *scratch, float *work, int threads, int64_t *tokens, float *hats) {
+                         int64_t slot, float *scratch, float *work, int threads, int64_t *tokens, float *hats,
+                         float stop) {
     const int H = C->hidden;
     float *in = work;              /* [2H]: ĥ of the parent | its token's normed embedding */
     float *x = in + 2 * H;         /* [H] the layers' row */
@@ -99,8 +110,9 @@ int smallm_feature_chain(const chain_t *C, const float *root, int steps, const f
         product(C->head_form, C->head, hat, logits, 1, H, C->draft_vocab, threads);
         const int best = argmax(logits, C->draft_vocab);
         tokens[d] = C->vocab ? C->vocab[best] : best;
+        if (stop > 0 && top1(logits, C->draft_vocab, best) < stop) return d + 1;
     }
-    return 0;
+    return steps;
 }
 
 /* The drafter's real entries (its `observe`, one pass for the newly committed positions and the next root): x [n, H] =

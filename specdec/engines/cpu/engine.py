@@ -58,8 +58,8 @@ class CpuEngine(EagerEngine):
     def race(self, owner: nn.Module, key: tuple) -> Race:
         return self._races.setdefault(owner, {}).setdefault(key, Race())
 
-    def feature_chain(self, drafter, parts, ctx, root, gamma, store, position_offset):
-        return native_chain.draft(drafter, parts, ctx, root, gamma, store, position_offset)
+    def feature_chain(self, drafter, parts, ctx, root, gamma, store, position_offset, stop=0.0):
+        return native_chain.draft(drafter, parts, ctx, root, gamma, store, position_offset, stop)
 
     def feature_entries(self, drafter, parts, ctx, features, tokens, store, position_offset, otherwise):
         return native_chain.entries(drafter, parts, ctx, features, tokens, store, position_offset, otherwise)

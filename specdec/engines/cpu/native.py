@@ -169,7 +169,7 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         chain.restype = ctypes.c_int
         chain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                          ctypes.c_void_p]
+                          ctypes.c_void_p, ctypes.c_float]
         lib.smallm_chain_work.restype = ctypes.c_long
         lib.smallm_chain_work.argtypes = [ctypes.c_void_p]
         lib.smallm_head_chain.restype = ctypes.c_int

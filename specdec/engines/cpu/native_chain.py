@@ -125,10 +125,12 @@ def _natives(ctx: SamplingContext, parts: ChainParts, rows: int) -> list[native_
 
 
 def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: torch.Tensor, gamma: int, store: str,
-          position_offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+          position_offset: int, stop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The greedy chain of γ tokens from root [1, 1, H] (the root entry's layer output) as `expand` would draft it depth
     by depth, its layers' keys and values written to `store` in the same slots -> (tokens [1, γ] base ids, each depth's
-    ĥ [1, γ, H]), or None where chain.c does not take the call (see the module docstring)."""
+    ĥ [1, γ, H]), or None where chain.c does not take the call (see the module docstring). With stop > 0 the chain
+    ends after its first token whose top-1 probability is < stop (an adaptive draft length): [1, d] and [1, d, H],
+    d ≤ γ."""
     chain = _chain(drafter, parts, ctx, root)
     if chain is None or store not in ctx.stores:
         return None
@@ -148,8 +150,10 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
                                         for l in chain.shapes))
     done = lib.smallm_feature_chain(ctypes.byref(chain.struct), root.contiguous().data_ptr(), gamma, cos.data_ptr(),
                                     sin.data_ptr(), length, scratch.data_ptr(), chain.work.data_ptr(), threads,
-                                    tokens.data_ptr(), hats.data_ptr())
-    return (tokens, hats) if done == 0 else None
+                                    tokens.data_ptr(), hats.data_ptr(), stop)
+    if done < 1:
+        return None
+    return (tokens, hats) if done == gamma else (tokens[:, :done], hats[:, :done])
 
 
 def entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, features: torch.Tensor,

@@ -121,6 +121,52 @@ def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeyp
 
 
 @needs_compiler
+def test_an_adaptive_chain_ends_in_the_native_call_where_expand_would_end_it(base, native_layers, monkeypatch):
+    """Under an adaptive draft length (sampler.adaptive_threshold) the prophet's chain is one native call that stops
+    after its first token of top-1 probability below the threshold: round by round the same tokens and the same
+    length as the depth-by-depth loop of trees.draft_static, the same acceptances, and plain greedy decoding's
+    tokens."""
+    import specdec.sampling.decode as decode_module
+
+    drafter = prophet(base, 48)
+    with torch.no_grad():  # sharper draft distributions: top-1 probabilities on both sides of the thresholds
+        drafter.norm.weight.mul_(10)
+
+    def run(native_on: bool, threshold: float):
+        rounds, ran = [], []
+        adaptive = Prophet.adaptive_chain
+
+        def chain(self, *args):
+            out = adaptive(self, *args) if native_on else None
+            ran.append(out is not None)
+            return out
+
+        def recorded(*args, **kw):
+            rnd = trees.draft_static(*args, **kw)
+            rounds.append((rnd.tokens.tolist(), rnd.limit.tolist()))
+            return rnd
+
+        with monkeypatch.context() as m:
+            m.setattr(race.Race, "first", lambda self: True)  # (declined calls are not timed)
+            m.setattr(Prophet, "adaptive_chain", chain)
+            m.setattr(decode_module, "draft_static", recorded)
+            cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=4, adaptive_threshold=threshold)
+            out = generate(base, [PROMPT], drafter, cfg, engine=auto_engine())
+        return out, rounds, ran
+
+    lengths = set()
+    for threshold in (0.2, 0.3, 0.5):
+        whole, whole_rounds, ran = run(True, threshold)
+        split, split_rounds, ran_split = run(False, threshold)
+        assert ran and all(ran) and not any(ran_split)
+        assert whole_rounds == split_rounds
+        lengths |= {limit[0] for _, limit in whole_rounds}
+        assert whole.accepted == split.accepted and whole.drafted == split.drafted
+        assert whole.tokens.tolist() == plain(base)
+    assert 4 in lengths and lengths - {4}  # chains left whole and chains ended early
+
+
+@needs_compiler
 def test_the_prophet_chain_reads_weights_changed_between_decodes(base, native_layers, monkeypatch):
     """The native chain is made once per decode: weights changed in place between decodes (training on: fc, the norms)
     are read by the next decode's chain and observe as by the PyTorch path."""
