@@ -5,6 +5,10 @@ drafting cheaper is measured as a ratio on one machine state.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_drafter.py logs/recipe/prophet_fused/drafter --rev HEAD~1 --gamma 1
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_drafter.py logs/recipe/prophet_fused/drafter --set draft_precision=fp32
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_drafter.py DRAFTER --with draft_precision=q4a8 --gamma 4 \
+        --set gamma=1 --set adaptive_threshold=0.5
+
+--with KEY=VALUE applies to every variant (the one as it is now included); each --set is one more variant.
 
 Prints, per variant: tok/s (and × our AR), τ, drafting and verify time per round, and whether every output equals
 our AR loop's (greedy: whatever either revision drafts, a lossless round emits the base's own tokens)."""
@@ -55,12 +59,23 @@ def class_from(cls: type, source: str, tag: str) -> type:
     return getattr(module, cls.__name__)
 
 
+def configured(cfg: SamplerConfig, engine: EngineConfig, setting: str) -> tuple[SamplerConfig, EngineConfig]:
+    """KEY=VALUE applied to whichever of the two configs has the field KEY."""
+    key, _, value = setting.partition("=")
+    value = yaml.safe_load(value)
+    if key in {f.name for f in fields(EngineConfig)}:
+        return cfg, replace(engine, **{key: value})
+    return replace(cfg, **{key: value}), engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("drafter", help="a trained drafter's directory")
     ap.add_argument("--rev", help="a git revision of the drafter's module to compare against")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a SamplerConfig or EngineConfig setting to compare against the default (repeatable)")
+    ap.add_argument("--with", dest="common", action="append", default=[], metavar="KEY=VALUE",
+                    help="a SamplerConfig or EngineConfig setting for every variant (repeatable)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -74,17 +89,15 @@ def main() -> None:
     prompts = [render_chat(base.tokenizer, [{"role": "user", "content": p["turns"][0]}])
                for p in humaneval(limit=args.prompts, split="tune")]  # settings are chosen on the tuning split
     cfg, engine = SamplerConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma), EngineConfig()
+    for setting in args.common:
+        cfg, engine = configured(cfg, engine, setting)
     # name -> (the drafter's class, the sampler settings, the engine)
     variants = {"now": (type(drafter), cfg, build(engine, base.device))}
     if args.rev:
         variants[f"@ {args.rev}"] = (class_at(type(drafter), args.rev), cfg, variants["now"][2])
-    for setting in args.set:  # a SamplerConfig or an EngineConfig field
-        key, _, value = setting.partition("=")
-        value = yaml.safe_load(value)
-        if key in {f.name for f in fields(EngineConfig)}:
-            variants[setting] = (type(drafter), cfg, build(replace(engine, **{key: value}), base.device))
-        else:
-            variants[setting] = (type(drafter), replace(cfg, **{key: value}), variants["now"][2])
+    for setting in args.set:
+        vcfg, veng = configured(cfg, engine, setting)
+        variants[setting] = (type(drafter), vcfg, variants["now"][2] if veng == engine else build(veng, base.device))
     for _, vcfg, veng in variants.values():
         generate(base, prompts[:1], drafter, vcfg, engine=veng)  # warm-up: kernel table, lean layers, native build
     totals = {name: {"tokens": 0, "rounds": 0, "s": 0.0, "draft_s": 0.0, "verify_s": 0.0} for name in ["ar", *variants]}
@@ -105,7 +118,7 @@ def main() -> None:
                 tot["draft_s"] += sum(r.step_draft_s)
                 tot["verify_s"] += sum(r.step_verify_s)
                 outputs[name].append(r.tokens[0, : r.num_generated[0]].tolist())
-    print(f"{args.drafter}, chain γ={args.gamma}, {args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, "
+    print(f"{args.drafter}, chain γ={args.gamma}{''.join(', ' + c for c in args.common)}, {args.prompts} HumanEval prompts × {args.max_new_tokens} tokens, "
           f"{args.passes} passes · " + (torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else
                                           f"cpu {cpu_model()}, {torch.get_num_threads()} threads") + "\n")
     print("| variant | tok/s | × AR (ours) | τ | draft ms / round | verify ms / round | output = AR's |")
