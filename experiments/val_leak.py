@@ -42,11 +42,11 @@ def block_flags(base, meta: dict, val_ids: np.ndarray) -> list[bool]:
     src = OmegaConf.load(ROOT / "configs" / "data" / "completions.yaml").source
     ds = distilled(list(src.path), kinds=list(src.kinds))
     dm = TextDataModule(lambda: ds, base.tokenizer, block_size=meta["block_size"], cache_dir=None)  # data defaults
-    texts, groups = dm._docs(ds)
+    texts, groups, _ = dm._docs(ds)
     val, train = dm._split(len(texts), None)  # the old split: every document its own group
     seen = {groups[i] for i in train}
     docs = [texts[i] for i in val]
-    if not np.array_equal(dm._pack(docs)[: len(val_ids)], val_ids):  # the data module's own packing of that split
+    if not np.array_equal(dm._pack(docs)[0][: len(val_ids)], val_ids):  # the data module's own packing of that split
         raise SystemExit("the cache's validation blocks are not the old split of configs/data/completions.yaml")
     lengths = [len(d) + 1 for d in base.tokenizer(docs, add_special_tokens=False)["input_ids"]]  # + its EOS
     owner = np.repeat(np.arange(len(docs)), lengths)  # [tokens]: which validation answer each packed token is from

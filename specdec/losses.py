@@ -16,15 +16,20 @@ import torch
 MIN_REST = 1e-12  # q's mass off the top-k is clamped here before its log (a drafter sure of the top-k)
 
 
-def topk_kl(logits: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+def topk_kl(logits: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor, offsets: Sequence[int],
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean KL(p || q) per entry [K].
 
     logits [B, T, K, V] draft logits (any float dtype; V may be a draft vocab), q = softmax over V;
     top_idx [B, T, k] the base's top-k token indices into V (−1: a token outside the draft vocab, its log-prob −inf),
     top_logp [B, T, k] their log-probs under the base's full softmax;
-    entry j at position t is scored against p at t + offsets[j], for the T − 1 − offsets[j] positions where it exists.
+    entry j at position t is scored against p at t + offsets[j], for the T − 1 − offsets[j] positions where it exists;
+    mask [B, T] bool (None: every position): entry j at t counts only where mask[t + 1 + offsets[j]], the token it
+    drafts, is set, and the mean is over those (an entry with none set has KL 0).
     The sums are taken in fp32 (fp64 stays fp64) whatever the logits' dtype; the gradient has the logits' dtype."""
-    return _TopKKL.apply(logits, top_idx, top_logp, tuple(int(o) for o in offsets))
+    B, T = logits.shape[:2]
+    mask = torch.ones(B, T, dtype=torch.bool, device=logits.device) if mask is None else mask.bool()
+    return _TopKKL.apply(logits, top_idx, top_logp, tuple(int(o) for o in offsets), mask)
 
 
 def _rows(logits, top_idx, top_logp, b: int, j: int, o: int):
@@ -41,7 +46,7 @@ def _rows(logits, top_idx, top_logp, b: int, j: int, o: int):
 
 class _TopKKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, top_idx, top_logp, offsets):
+    def forward(ctx, logits, top_idx, top_logp, offsets, mask):
         B, T, K, _ = logits.shape
         if len(offsets) != K:
             raise ValueError(f"{K} entries in the logits but {len(offsets)} offsets")
@@ -50,10 +55,13 @@ class _TopKKL(torch.autograd.Function):
         lse = logits.new_zeros(B, K, T, dtype=acc)  # per row: log Σ_v exp q_v
         coef = logits.new_zeros(B, K, T, dtype=acc)  # P − r·S (the softmax's factor in the gradient)
         r = logits.new_zeros(B, K, T, dtype=acc)  # rest / (1 − S): the top-k's extra factor
+        w = logits.new_zeros(B, K, T, dtype=acc)  # each row's weight in its entry's mean (0 where masked)
         for j, o in enumerate(offsets):
             n = T - 1 - o
             if n <= 0:
                 continue
+            counted = mask[:, 1 + o : 1 + o + n].to(acc)  # [B, n]
+            w[:, j, :n] = counted / counted.sum().clamp_min(1)
             for b in range(B):
                 q, idx, valid, pt = _rows(logits, top_idx, top_logp, b, j, o)  # [n, V], [n, k] ×3
                 row_lse = torch.logsumexp(q, -1)  # [n]
@@ -63,18 +71,18 @@ class _TopKKL(torch.autograd.Function):
                 rest = (1 - pt.sum(-1)).clamp_min(0)  # p's mass off the top-k [n]
                 free = (1 - S).clamp_min(MIN_REST)  # q's mass off the top-k
                 neg_entropy = torch.xlogy(pt, pt).sum(-1) + torch.xlogy(rest, rest)
-                kl[j] += (neg_entropy - (pt * lq).sum(-1) - rest * free.log()).sum() / (B * n)
+                kl[j] += ((neg_entropy - (pt * lq).sum(-1) - rest * free.log()) * w[b, j, :n]).sum()
                 lse[b, j, :n] = row_lse
                 r_row = torch.where(1 - S > MIN_REST, rest / free, torch.zeros_like(rest))
                 r[b, j, :n] = r_row
                 coef[b, j, :n] = pt.sum(-1) - r_row * S
-        ctx.save_for_backward(logits, top_idx, top_logp, lse, coef, r)
+        ctx.save_for_backward(logits, top_idx, top_logp, lse, coef, r, w)
         ctx.offsets = offsets
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
-        logits, top_idx, top_logp, lse, coef, r = ctx.saved_tensors
+        logits, top_idx, top_logp, lse, coef, r, w = ctx.saved_tensors
         B, T, K, _ = logits.shape
         # ∂KL/∂q_v = softmax(q)_v·(P − r·S) + [v in the top-k]·(r·softmax(q)_v − p_v), P = Σ p over the top-k,
         # S = Σ q over it, r = rest / (1 − S); rows past an entry's last target get no gradient.
@@ -84,11 +92,10 @@ class _TopKKL(torch.autograd.Function):
             grad[:, n:, j] = 0
             if n == 0:
                 continue
-            w = grad_kl[j] / (B * n)
             for b in range(B):
                 q, idx, valid, pt = _rows(logits, top_idx, top_logp, b, j, o)
                 sm = torch.exp(q - lse[b, j, :n, None])  # [n, V] softmax(q)
                 at_top = (r[b, j, :n, None] * sm.gather(-1, idx) - pt) * valid  # [n, k]
                 g = sm.mul_(coef[b, j, :n, None]).scatter_add_(-1, idx, at_top)
-                grad[b, :n, j] = g.mul_(w)
-        return grad, None, None, None
+                grad[b, :n, j] = g.mul_(w[b, j, :n, None] * grad_kl[j])
+        return grad, None, None, None, None

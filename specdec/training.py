@@ -56,6 +56,7 @@ class DraftTrainer(L.LightningModule):
         head_decay: float = 0.8,
         base_autocast: str | None = None,
         target_topk: int | None = None,
+        loss_on: str = "all",
     ):
         super().__init__()
         self._frozen = {"base": base}
@@ -63,6 +64,11 @@ class DraftTrainer(L.LightningModule):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.kl_weight, self.ce_weight, self.head_decay = kl_weight, ce_weight, head_decay
+        if loss_on not in ("all", "answers"):
+            raise ValueError(f"loss_on must be all or answers, got {loss_on!r}")
+        # answers: only the positions whose target token is one of the base's own answer tokens (the data's
+        # loss_mask) count, in the loss and in the validation metrics; all: every position
+        self.loss_on = loss_on
         self.base_autocast = getattr(torch, base_autocast) if base_autocast else None
         # online: train on the base's top-k, exactly as from a feature cache. A reduced draft vocab always trains
         # on top-k targets (its tokens outside the draft vocab join the rest bucket): 64 unless set.
@@ -108,10 +114,12 @@ class DraftTrainer(L.LightningModule):
             targets = Targets(top_idx=idx, top_logp=targets.top_logp.masked_fill(idx < 0, float("-inf")))
         return feats, targets
 
-    def _entry_losses(self, out: TrainOutput, targets: Targets, input_ids: torch.Tensor, metrics: bool):
+    def _entry_losses(self, out: TrainOutput, targets: Targets, input_ids: torch.Tensor, metrics: bool,
+                      mask: torch.Tensor | None = None):
         """Per entry j (offset o): draft logits at t vs the base's distribution at t+o and the data token t+1+o.
-        Yields (j, loss_j, kl_j, top1_j, accept_j); top1/accept are [B, n] per-position tensors (None unless
-        `metrics`). These [B, n, V] passes dominate a step's cost after the matmuls: keep them few and fused."""
+        Yields (j, loss_j, kl_j, top1_j, accept_j, w_j); top1/accept are [B, n] per-position tensors (None unless
+        `metrics`), w_j [B, n] their weights (1 where the token t+1+o counts under `mask` [B, T], else 0; all ones
+        without a mask). These [B, n, V] passes dominate a step's cost after the matmuls: keep them few and fused."""
         T = input_ids.shape[1]
         offsets = self.drafter.target_offsets
         dense = targets.logits is not None
@@ -122,18 +130,21 @@ class DraftTrainer(L.LightningModule):
         else:
             # top-k targets: the k tokens plus one bucket for the rest of the mass (specdec/losses.py), every
             # entry's KL and its gradient in one fused pass over the logits
-            kls = topk_kl(out.logits, targets.top_idx, targets.top_logp, offsets)  # [K]
+            kls = topk_kl(out.logits, targets.top_idx, targets.top_logp, offsets, mask)  # [K]
         # unbind once: slicing entries out of [B, T, K, V] one by one would make autograd zero-fill a full
         # [B, T, K, V] gradient per entry
         for j, (o, q) in enumerate(zip(offsets, out.logits.unbind(2))):
             n = T - 1 - o  # positions t with both a target distribution (t+o) and a data label (t+1+o)
             q = q[:, :n]  # [B, n, V] (V = the draft vocab's size when the drafter has one)
+            w = (mask[:, 1 + o : 1 + o + n].to(q.dtype) if mask is not None  # [B, n] weight of the token t+1+o
+                 else q.new_ones(q.shape[:2]))
             if dense:
                 q = q.float()
                 pt = p[:, o : o + n]  # [B, n, V]
                 # soft-target cross-entropy  lse(q) − Σ_v p·q  as a batched dot: no [B, n, V] temporaries
                 cross = (pt.unsqueeze(-2) @ q.unsqueeze(-1))[..., 0, 0]  # [B, n]
-                kl = (torch.logsumexp(q, -1) - cross + neg_entropy[:, o : o + n]).mean()  # KL(p || q)
+                per = torch.logsumexp(q, -1) - cross + neg_entropy[:, o : o + n]  # [B, n] KL(p || q)
+                kl = (per * w).sum() / w.sum().clamp_min(1)
             else:
                 kl = kls[j]
             loss = self.kl_weight * kl
@@ -141,6 +152,7 @@ class DraftTrainer(L.LightningModule):
                 labels = input_ids[:, 1 + o : 1 + o + n]  # [B, n]
                 if self.drafter.draft_vocab is not None:  # in draft indices; tokens outside it (−1) are skipped
                     labels = self.drafter.draft_vocab.from_base(labels)
+                labels = labels.masked_fill(w == 0, -1)  # (and the ones the mask leaves out)
                 loss = loss + self.ce_weight * F.cross_entropy(q.reshape(-1, q.shape[-1]).float(), labels.reshape(-1),
                                                                ignore_index=-1)
             top1 = accept = None
@@ -155,7 +167,17 @@ class DraftTrainer(L.LightningModule):
                         top1 = (q.argmax(-1) == idx[..., 0]).float()  # −1 (outside a draft vocab) never matches
                         lq = q.log_softmax(-1).gather(-1, idx.clamp_min(0))
                         accept = torch.minimum(lq.exp(), targets.top_logp[:, o : o + n].exp()).sum(-1)
-            yield j, loss, kl.detach(), top1, accept
+            yield j, loss, kl.detach(), top1, accept, w.float()
+
+    def _mask(self, batch: dict) -> torch.Tensor | None:
+        """[B, T] bool: the positions whose token is the base's own answer (loss_on=answers), else None."""
+        if self.loss_on == "all":
+            return None
+        if "loss_mask" not in batch:
+            raise ValueError("module.loss_on=answers needs blocks with an answer mask: chat-message data (the "
+                             "distilled answers), or a feature cache built from it since the mask exists (rebuild "
+                             "an older cache: python -m specdec.data.features ...)")
+        return batch["loss_mask"].bool()
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         input_ids = batch["input_ids"]
@@ -164,12 +186,13 @@ class DraftTrainer(L.LightningModule):
         total = torch.zeros((), device=self.device)
         names = self.drafter.head_names
         val = stage == "val"
-        for j, loss, kl, top1, accept in self._entry_losses(out, targets, input_ids, metrics=val):
+        mask = self._mask(batch)
+        for j, loss, kl, top1, accept, w in self._entry_losses(out, targets, input_ids, metrics=val, mask=mask):
             total = total + self.entry_weights[j] * loss
             self.log(f"{stage}/{names[j]}_kl", kl, on_step=not val, on_epoch=True)
             if val:
-                self.val_top1[j].update(top1)
-                self.val_accept[j].update(accept)
+                self.val_top1[j].update(top1, w)
+                self.val_accept[j].update(accept, w)
         if out.aux_loss is not None:
             total = total + out.aux_loss
         for name, value in (out.aux_metrics or {}).items():

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from specdec.losses import topk_kl
 
 
-def _reference(logits, top_idx, top_logp, offsets):
-    """The coarsened KL(p || q) per entry, plain autograd: the k targets plus one bucket for the rest."""
+def _reference(logits, top_idx, top_logp, offsets, mask=None):
+    """The coarsened KL(p || q) per entry, plain autograd: the k targets plus one bucket for the rest; with mask [B, T],
+    the mean over the positions whose drafted token (t + 1 + o) it sets."""
     T = logits.shape[1]
     out = []
     for j, o in enumerate(offsets):
@@ -23,7 +24,7 @@ def _reference(logits, top_idx, top_logp, offsets):
         rest = (1 - p.sum(-1)).clamp_min(0)
         kl = (torch.xlogy(p, p).sum(-1) + torch.xlogy(rest, rest) - (p * lq).sum(-1)
               - rest * torch.log((1 - q_top).clamp_min(1e-12)))
-        out.append(kl.mean())
+        out.append(kl.mean() if mask is None else kl[mask[:, 1 + o : 1 + o + n]].mean())
     return torch.stack(out)
 
 
@@ -51,6 +52,22 @@ def test_matches_autograd_reference(outside):
     (g_want,) = torch.autograd.grad((want * w).sum(), logits)
     torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
     assert g_got[:, -1].abs().sum() == 0  # no entry has a target past the last position
+
+
+def test_a_mask_keeps_only_the_positions_whose_drafted_token_it_sets():
+    logits, idx, logp = _case()
+    offsets = [0, 1, 3]
+    mask = torch.rand(logits.shape[:2], generator=torch.Generator().manual_seed(1)) < 0.5  # [B, T]
+    got = topk_kl(logits, idx, logp, offsets, mask)
+    want = _reference(logits, idx, logp, offsets, mask)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    (g_got,) = torch.autograd.grad(got.sum(), logits)
+    (g_want,) = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    for j, o in enumerate(offsets):  # a left-out position gets no gradient
+        assert g_got[:, : logits.shape[1] - 1 - o, j][~mask[:, 1 + o :]].abs().sum() == 0
+    torch.testing.assert_close(topk_kl(logits, idx, logp, offsets, torch.ones_like(mask)),
+                               topk_kl(logits, idx, logp, offsets))
 
 
 def test_gradcheck():

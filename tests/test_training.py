@@ -51,7 +51,7 @@ def _metrics(offsets, error):
     input_ids = torch.arange(T)[None].repeat(2, 1)
     feats = base.features(input_ids)
     out = module.drafter.forward_train(feats, input_ids)
-    return [(loss.item(), top1.mean().item(), acc.mean().item()) for _, loss, _, top1, acc
+    return [(loss.item(), top1.mean().item(), acc.mean().item()) for _, loss, _, top1, acc, _
             in module._entry_losses(out, feats, input_ids, metrics=True)]
 
 

@@ -22,7 +22,8 @@ from specdec.data.sampler import train_loader
 
 class FeatureShards(Dataset):
     """Blocks of one split across its memory-mapped shards. An item is
-    {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float}.
+    {input_ids [T] long, hidden {layer: [T, H]} (stored dtype), top_idx [T, k] long, top_logp [T, k] float,
+    loss_mask [T] bool (the cache's answer mask; all true in a shard without one)}.
     keep: the blocks (indices into all the shards' blocks, in order) this dataset holds; None: every block."""
 
     def __init__(self, roots: list[Path], layers: list[int], keep: np.ndarray | None = None):
@@ -33,6 +34,8 @@ class FeatureShards(Dataset):
             arrays = {"input_ids": np.load(d / "input_ids.npy", mmap_mode="r"),
                       "top_idx": np.load(d / "top_idx.npy", mmap_mode="r"),
                       "top_logp": np.load(d / "top_logp.npy", mmap_mode="r")}
+            if (d / "loss_mask.npy").exists():
+                arrays["loss_mask"] = np.load(d / "loss_mask.npy", mmap_mode="r")
             arrays |= {l: np.load(d / f"hidden_{l}.npy", mmap_mode="r") for l in layers}
             self.shards.append(arrays)
         self.layers = layers
@@ -52,6 +55,8 @@ class FeatureShards(Dataset):
             "hidden": {l: torch.from_numpy(np.array(shard[l][r])) for l in self.layers},
             "top_idx": torch.from_numpy(shard["top_idx"][r].astype(np.int64)),
             "top_logp": torch.from_numpy(np.array(shard["top_logp"][r])),
+            "loss_mask": (torch.from_numpy(shard["loss_mask"][r] == 1) if "loss_mask" in shard
+                          else torch.ones(len(shard["input_ids"][r]), dtype=torch.bool)),
         }
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:

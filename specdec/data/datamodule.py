@@ -1,7 +1,12 @@
 """Token blocks for drafter training: source rows -> chat-template rendering -> tokenise -> document-level
 train/val split (whole groups, where the source names them) -> pack into fixed-length blocks. The packed result is
 cached on disk (keyed by the text, the groups, the tokenizer and the packing settings), so a second run starts in a
-second."""
+second.
+
+Rows of chat messages also get an answer mask beside their blocks (`loss_mask` [N, T], 1 on the tokens of assistant
+turns, their end-of-turn token included): the tokens a drafter drafts at inference are the base's own answers, never
+the user's request or the system prompt, and `module.loss_on=answers` trains on those alone (EAGLE's and SpecForge's
+loss mask)."""
 
 from __future__ import annotations
 
@@ -73,14 +78,14 @@ class TextDataModule(L.LightningDataModule):
     # -- building ----------------------------------------------------------------------------
     def _packed(self) -> DatasetDict:
         ds = self.source()
-        texts, groups = self._docs(ds)
+        texts, groups, answers = self._docs(ds)
         if not texts:
             raise ValueError(f"the training data has no usable rows ({len(ds)} rows, all empty)")
-        key = self._cache_key(texts, groups)
+        key = self._cache_key(texts, groups, answers is not None)
         path = self.cache_dir / key if self.cache_dir else None
         if path is not None and path.exists():
             return load_from_disk(str(path))
-        packed = self._pack_splits(texts, groups)
+        packed = self._pack_splits(texts, groups, answers)
         if path is not None:  # temp dir + rename: an interrupted run never leaves a half-written cache
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=path.parent, prefix=".tmp-")
@@ -91,45 +96,65 @@ class TextDataModule(L.LightningDataModule):
                 shutil.rmtree(tmp, ignore_errors=True)  # another process cached the same key first
         return packed
 
-    def _docs(self, ds: Dataset) -> tuple[list[str], list[str] | None]:
-        """The documents' texts, and their `group` column when the source has one (e.g. the distilled answers'
-        prompt: a greedy and a sampled answer to one prompt share it), else None."""
+    def _docs(self, ds: Dataset) -> tuple[list[str], list[str] | None, list[list[tuple[int, int]]] | None]:
+        """The documents' texts; their `group` column when the source has one (e.g. the distilled answers' prompt: a
+        greedy and a sampled answer to one prompt share it), else None; and for chat messages each document's
+        assistant turns as character spans [start, end) of its text (else None)."""
         groups = ds["group"] if "group" in ds.column_names else None
         if "messages" in ds.column_names:
-            render = lambda m: self.tokenizer.apply_chat_template(m, tokenize=False)  # noqa: E731
-            return [render(m) for m in ds["messages"]], groups
+            rendered = [self._render(m) for m in ds["messages"]]
+            return [t for t, _ in rendered], groups, [a for _, a in rendered]
         texts = ds["text"]
         keep = [i for i, t in enumerate(texts) if t and t.strip()]
-        return [texts[i] for i in keep], ([groups[i] for i in keep] if groups is not None else None)
+        return [texts[i] for i in keep], ([groups[i] for i in keep] if groups is not None else None), None
 
-    def _cache_key(self, texts: list[str], groups: list[str] | None = None) -> str:
+    def _render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """A conversation in the chat template, and the character spans of its assistant turns: each from the end
+        of the template up to that turn with the assistant's turn opened, to the end of the template through it."""
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tokenize=False)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                start = len(render(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+                through = render(messages[: i + 1], tokenize=False)
+                if text.startswith(through):  # (a template that renders a conversation's prefixes as its prefixes)
+                    spans.append((start, len(through)))
+        return text, spans
+
+    def _cache_key(self, texts: list[str], groups: list[str] | None = None, answers: bool = False) -> str:
         h = hashlib.sha256()
         for t in texts:
             h.update(hashlib.sha256(t.encode()).digest())
         if groups is not None:  # (an ungrouped source keeps its key, and so its packed cache)
             h.update(hashlib.sha256("\0".join(groups).encode()).digest())
+        if answers:  # blocks with an answer mask (chat messages) are packed anew once
+            h.update(b"loss_mask")
         tok = self.tokenizer
         settings = (tok.name_or_path, len(tok), tok.eos_token_id, self.block_size, self.val_fraction,
                     self.max_val_blocks, self.seed)
         h.update(repr(settings).encode())
         return h.hexdigest()[:24]
 
-    def _pack_splits(self, texts: list[str], groups: list[str] | None = None) -> DatasetDict:
+    def _pack_splits(self, texts: list[str], groups: list[str] | None = None,
+                     answers: list[list[tuple[int, int]]] | None = None) -> DatasetDict:
         # Split by document before packing, so no validation block shares a document with training; and by group
         # where the source names one, so that no validation answer has a sibling answer to its prompt in training
         # (before, 92 of the 118 validation answers of the completion data had one, which a drafter may memorise).
         # Without groups each document is its own group, and the split is the plain permutation it always was.
         val, train = self._split(len(texts), groups)
-        val_docs = [texts[i] for i in val]
-        train_docs = [texts[i] for i in train] or val_docs
-        train, val = self._pack(train_docs), self._pack(val_docs)
-        if self.max_val_blocks is not None:
-            val = val[: self.max_val_blocks]
-        if len(train) == 0 or len(val) == 0:
+        train = train or val
+        splits = {}
+        for name, docs in (("train", train), ("val", val)):
+            ids, mask = self._pack([texts[i] for i in docs], [answers[i] for i in docs] if answers else None)
+            if name == "val" and self.max_val_blocks is not None:
+                ids, mask = ids[: self.max_val_blocks], mask[: self.max_val_blocks]
+            splits[name] = {"input_ids": ids} | ({"loss_mask": mask} if answers else {})
+        if len(splits["train"]["input_ids"]) == 0 or len(splits["val"]["input_ids"]) == 0:
             raise ValueError(f"too little text for blocks of {self.block_size} tokens "
-                             f"({len(train)} train / {len(val)} val blocks)")
-        return DatasetDict({"train": Dataset.from_dict({"input_ids": train}),
-                            "val": Dataset.from_dict({"input_ids": val})})
+                             f"({len(splits['train']['input_ids'])} train / {len(splits['val']['input_ids'])} val "
+                             f"blocks)")
+        return DatasetDict({name: Dataset.from_dict(cols) for name, cols in splits.items()})
 
     def _split(self, n: int, groups: list[str] | None) -> tuple[list[int], list[int]]:
         """(validation, training) indices of n documents, each in the seeded random order they are packed in: the
@@ -150,12 +175,37 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"one group holds all {n} documents: nothing is left to train on")
         return val, train
 
-    def _pack(self, docs: list[str]) -> np.ndarray:
-        """Concatenate documents, each closed by EOS, and cut into [N, block_size] (the tail is dropped)."""
+    def _pack(self, docs: list[str], answers: list[list[tuple[int, int]]] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate documents, each closed by EOS, and cut into ids [N, block_size] (the tail is dropped), with
+        the answer mask [N, block_size] (uint8; all ones without `answers`: every token counts)."""
         if not docs:
-            return np.zeros((0, self.block_size), dtype=np.int64)
+            empty = np.zeros((0, self.block_size), dtype=np.int64)
+            return empty, empty.astype(np.uint8)
         eos = self.tokenizer.eos_token_id
         ids = self.tokenizer(docs, add_special_tokens=False)["input_ids"]
+        masks = (self._answer_masks(docs, ids, answers) if answers is not None
+                 else [np.ones(len(doc), dtype=np.uint8) for doc in ids])
         flat = np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.int64)
+        # the EOS closing a document is the packing's, never a token the base writes in an answer
+        closing = 0 if answers is not None else 1
+        flat_mask = np.concatenate([np.append(m, np.uint8(closing)) for m in masks])
         n = len(flat) // self.block_size
-        return flat[: n * self.block_size].reshape(n, self.block_size)
+        cut = n * self.block_size
+        return flat[:cut].reshape(n, self.block_size), flat_mask[:cut].reshape(n, self.block_size)
+
+    def _answer_masks(self, docs: list[str], ids: list[list[int]], answers: list[list[tuple[int, int]]]
+                      ) -> list[np.ndarray]:
+        """Per document, 1 on the tokens of its answer spans: token counts of the text before each span's start
+        and end (the tokenisation of the whole text is the one packed, whatever the tokenizer; at a span's edge
+        the two can differ by a token, which only moves the mask's edge)."""
+        cuts = [text[:c] for text, spans in zip(docs, answers) for span in spans for c in span]
+        counts = iter(len(x) for x in self.tokenizer(cuts, add_special_tokens=False)["input_ids"]) if cuts else iter(())
+        out = []
+        for doc, spans in zip(ids, answers):
+            mask = np.zeros(len(doc), dtype=np.uint8)
+            for _ in spans:
+                start, end = next(counts), next(counts)
+                mask[start:end] = 1
+            out.append(mask)
+        return out

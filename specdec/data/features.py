@@ -10,6 +10,8 @@ Layout of `out_dir`:
         hidden_{l}.npy  [n, T, H]   float16 or float32; l = layer key (-1 = last, normed)
         top_idx.npy     [n, T, k]   int32, descending probability
         top_logp.npy    [n, T, k]   float32 log-probs of the base (full-vocab softmax)
+        loss_mask.npy   [n, T]      uint8, 1 on the tokens of the base's answers (blocks of chat messages only;
+                                    meta.json's answer_mask says whether the cache has it)
 
 The base runs in bf16 autocast where this machine multiplies bf16 clearly faster (`precision=auto`, timed by
 specdec.precision as for training; a Zen 5 EPYC: 3x faster a batch, the hidden states within 0.8 % of float32's and the
@@ -64,8 +66,12 @@ def cache_features(
     topk = min(topk, base.vocab_size)
     datamodule.setup()
     splits = {name: torch.as_tensor(datamodule.blocks[name][:]["input_ids"]) for name in ("train", "val")}  # [N, T]
+    answer_mask = "loss_mask" in datamodule.blocks["train"].column_names
+    masks = {name: torch.as_tensor(datamodule.blocks[name][:]["loss_mask"]) if answer_mask else None
+             for name in splits}  # [N, T]
     if max_train_blocks is not None:  # a quick cache (the demo): the first blocks of the shuffled training split
         splits["train"] = splits["train"][:max_train_blocks]
+        masks["train"] = masks["train"][:max_train_blocks] if answer_mask else None
     meta = {
         "layers": [int(l) for l in layers],
         "topk": topk,
@@ -75,6 +81,7 @@ def cache_features(
         "block_size": int(splits["train"].shape[1]),
         "blocks": {name: int(ids.shape[0]) for name, ids in splits.items()},
         "tokens_sha256": _tokens_hash(splits),
+        "answer_mask": answer_mask,
         "base_name": base.name,
         "fingerprint": base.fingerprint(),
     }
@@ -90,6 +97,8 @@ def cache_features(
             with torch.autocast(base.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 arrays = _shard(base, ids[lo : lo + shard_blocks], meta["layers"], topk, STORE_DTYPES[dtype],
                                 batch_size)
+            if answer_mask:
+                arrays["loss_mask"] = masks[name][lo : lo + shard_blocks].numpy().astype(np.uint8)
             _save_atomic(path, arrays)
             computed += arrays["input_ids"].size
     elapsed = time.perf_counter() - start
@@ -167,7 +176,9 @@ def _existing_meta(out: Path) -> dict | None:
 def _write_or_check_meta(out: Path, meta: dict) -> None:
     old = _existing_meta(out)
     if old is not None:
-        diff = sorted(k for k in meta if old.get(k) != meta[k])
+        # (a cache from before the answer mask is the same cache without one: kept, and refused only by a training
+        # that asks for the mask)
+        diff = sorted(k for k in meta if old.get(k) != meta[k] and (k in old or k != "answer_mask"))
         if diff:
             raise ValueError(f"{out} holds a feature cache with other {', '.join(diff)}; "
                              f"use another out_dir or delete it")

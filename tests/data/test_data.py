@@ -72,8 +72,17 @@ def test_chat_rows_render_with_the_chat_template(tiny, tmp_path, form):
     ds = sources.chat(str(p), field=form)
     assert ds[0]["messages"][1] == {"role": "assistant", "content": "hello!"}
     dm = TextDataModule(lambda: ds, tiny.tokenizer, block_size=8, val_fraction=0.25, cache_dir=None)
-    texts, _ = dm._docs(ds)
+    texts, _, answers = dm._docs(ds)
     assert texts[0] == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\nhello!<|im_end|>\n"
+    # the answer mask: the assistant's turn from its content through its end-of-turn token
+    start, end = answers[0][0]
+    assert texts[0][start:end] == "hello!<|im_end|>\n"
+    n = len(tiny.tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+    ids, mask = TextDataModule(lambda: ds, tiny.tokenizer, block_size=n + 1, cache_dir=None)._pack(texts[:1], answers[:1])
+    # (the EOS that closes a packed document is the packing's: left out)
+    assert tiny.tokenizer.decode(ids[0][mask[0] == 1]) == "hello!<|im_end|>\n"
+    assert tiny.tokenizer.decode(ids[0][mask[0] == 0]) == ("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+                                                          + tiny.tokenizer.eos_token)
 
 
 def test_stdlib_corpus_is_real_source():

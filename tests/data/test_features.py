@@ -274,3 +274,49 @@ def test_a_quick_cache_keeps_the_first_training_blocks(corpus, tiny, tmp_path):
     assert meta["blocks"]["train"] == 2 and meta["blocks"]["val"] == len(dm.blocks["val"])
     ids = np.load(tmp_path / "quick" / "train" / "00000" / "input_ids.npy")
     assert np.array_equal(ids, np.asarray(dm.blocks["train"][:2]["input_ids"]))
+
+
+def chat_blocks(tmp_path: Path, tiny) -> TextDataModule:
+    """Two-turn conversations in the chat template: blocks with an answer mask."""
+    from specdec.data.sources import chat
+
+    rows = [{"messages": [{"role": "user", "content": f"request {i}: " + "why " * (i % 5 + 1)},
+                          {"role": "assistant", "content": f"answer {i} " + "because " * (i % 7 + 6)}]}
+            for i in range(40)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return TextDataModule(lambda: chat(str(path)), tiny.tokenizer, block_size=32, batch_size=2, val_fraction=0.2,
+                          cache_dir=None)
+
+
+@pytest.mark.parametrize("topk", [None, 16])
+def test_the_answer_mask_is_cached_and_trains_on_answers_alone(tiny, tmp_path, topk):
+    k = topk or tiny.vocab_size
+    meta = cache_features(chat_blocks(tmp_path, tiny), tiny, str(tmp_path / "feat"), topk=k, dtype="float32")
+    assert meta["answer_mask"]
+    online = chat_blocks(tmp_path, tiny)
+    online.setup()
+    cached = CachedFeatures(str(tmp_path / "feat"), batch_size=2)
+    cached.setup()
+    pairs = list(zip(online.val_dataloader(), cached.val_dataloader()))
+    assert all(torch.equal(a["loss_mask"].bool(), b["loss_mask"]) for a, b in pairs)
+    mask = torch.cat([b["loss_mask"] for _, b in pairs])
+    assert 0.5 < mask.float().mean() < 0.8  # the answers are the longer turns
+    # a batch with both: a prompt and the answer after it
+    a, b = next((a, b) for a, b in pairs if 0 < b["loss_mask"].float().mean() < 1)
+    drafter = trained_medusa(tiny)
+    answers = module(tiny, drafter, loss_on="answers")._step(b, "val")
+    torch.testing.assert_close(answers, module(tiny, drafter, target_topk=topk, loss_on="answers")._step(a, "val"),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.isclose(answers, module(tiny, drafter)._step(b, "val"), rtol=1e-3)  # the mask changed the loss
+
+
+def test_answers_only_training_refuses_blocks_without_a_mask(corpus, tiny, tmp_path):
+    cache_features(text_blocks(corpus, tiny), tiny, str(tmp_path / "feat"), topk=16, dtype="float32")
+    cached = CachedFeatures(str(tmp_path / "feat"), batch_size=2)
+    cached.setup()
+    batch = next(iter(cached.val_dataloader()))
+    assert batch["loss_mask"].all()  # raw text: every token counts
+    with pytest.raises(ValueError, match="answer mask"):
+        module(tiny, trained_medusa(tiny), loss_on="answers")._step({k: v for k, v in batch.items()
+                                                                      if k != "loss_mask"}, "val")
