@@ -10,6 +10,7 @@ import torch
 
 from specdec.base import Base, Features
 from specdec.drafters.drafter import Drafter
+from specdec.ngram import ngram_match
 from specdec.sampling import verify
 from specdec.sampling.adaptive import DraftLength
 from specdec.sampling.checks import check_inputs, finite, finite_argmax
@@ -18,7 +19,7 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import PhaseClock, verify_costs, wall_clock
 from specdec.sampling.draws import RowUniform
 from specdec.sampling.engine import REFERENCE, Engine
-from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, ngram_match, shared_counts
+from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, shared_counts
 from specdec.sampling.trees import Round, chain_paths, draft_dynamic, draft_static, sample_chain_fn
 
 __all__ = ["GenerationResult", "SamplerConfig", "generate"]

@@ -20,20 +20,6 @@ from torch import nn
 from specdec.sampling.trees import Round, cost_budget
 
 
-def ngram_match(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> tuple[list[int], int]:
-    """Up to max_tokens tokens that followed the most recent earlier occurrence of history's last n tokens, for the
-    longest n in [min_ngram, max_ngram] that occurs, and that n; ([], 0) when none does."""
-    size = len(history)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        suffix = history[size - n :]
-        first = suffix[0]
-        # scan from the most recent start backwards; a start must leave at least one token after the n-gram
-        for i in range(size - n - 1, -1, -1):
-            if history[i] == first and history[i : i + n] == suffix:
-                return history[i + n : i + n + max_tokens], n
-    return [], 0
-
-
 class LookupLength:
     """Cuts each lookup round's proposals to the length L that maximises the expected tokens per verify cost,
     (1 + Σ_{k≤L} P_n(k)) / v(L + 1) (`trees.cost_budget`): v from the verify-cost curve measured on this machine, P_n(k)

@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from specdec.base import tiny_base
+from specdec.drafters.copy_hydra import CopyHydra
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.early_exit import EarlyExit
 from specdec.drafters.hydra import Hydra
 from specdec.drafters.layer_skip import LayerSkip
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.prophet import Prophet
+from specdec.ngram import ngram_match
 from specdec.sampling import decode
 from specdec.sampling.decode import SamplerConfig, generate
-from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, ngram_match
+from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round
 
 from conftest import auto_engine
 from sampling_stubs import Table, micro_base
@@ -102,6 +104,7 @@ FAMILIES = {
     "none": lambda b: None,
     "medusa": lambda b: Medusa(b, num_heads=3),
     "hydra": lambda b: Hydra(b, num_heads=3),
+    "copy_hydra": lambda b: CopyHydra(b, num_heads=3),  # reads the committed tokens: must see every round's
     "prophet": lambda b: Prophet(b, unroll_steps=3),
     "early_exit": lambda b: EarlyExit(b, exit_layers=[1], num_extra_layers=1),
     "draft_model": lambda b: DraftModel(b, num_layers=1),  # keeps its drafts' keys: must re-read after a skip
