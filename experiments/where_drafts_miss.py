@@ -145,7 +145,8 @@ def main() -> None:
     results = {}
     for path in args.drafters:
         drafter = load_drafter(path, base)
-        rows = [r for p, a, w in zip(prompts, answers, where) for r in classify(p, a, first_drafts(drafter, base, p + a), w)]
+        rows = [r for p, a, w in zip(prompts, answers, where)
+                for r in classify(p, a, first_drafts(drafter, base, p + a), w)]
         results[path] = summary(rows)
     name = args.prompts if args.prompts == "humaneval" else Path(args.prompts).stem
     header = {"prompts": f"{name} ({args.split} split)" if args.prompts == "humaneval" else name,

@@ -1,14 +1,14 @@
 """Copy-aware Hydra heads: Hydra heads that also read what n-gram lookup would propose.
 
-Nearly half the tokens of the base's answers to HumanEval continue an n-gram that occurs earlier in the prompt or the answer
-(the signature and docstring it repeats, names, repeated lines), and there lookup's proposal is right at 77 % of the
-positions where it has one; a Hydra head, which sees only the base's newest hidden state and the tokens on its path,
-drafts those copies worse than the rest (experiments/pages/where_drafts_miss.md). Lookup alone cannot tell a right
-copy from a wrong one, nor draft where nothing matches. So head k here reads, beside h_t and the path tokens
-x_{t+1}..x_{t+k}, the token lookup proposes for x_{t+k+1} from everything before it (`ngram_match` over the context
-and the path: 2-3-grams) and the length of the match (none, 2, 3), and learns when to copy it and when to draft its
-own. The base's tied embeddings make a copy easy to learn: the proposal's embedding, passed through, scores its own
-token highest under the lm_head.
+Nearly half the tokens of the base's answers to HumanEval continue an n-gram that occurs earlier in the prompt or
+the answer (the signature and docstring it repeats, names, repeated lines), and there lookup's proposal is right at
+77 % of the positions where it has one; a Hydra head, which sees only the base's newest hidden state and the tokens
+on its path, drafts those copies worse than the rest (experiments/pages/where_drafts_miss.md). Lookup alone cannot
+tell a right copy from a wrong one, nor draft where nothing matches. So head k here reads, beside h_t and the path
+tokens x_{t+1}..x_{t+k}, the token lookup proposes for x_{t+k+1} from everything before it (`ngram_match` over the
+context and the path: 2-3-grams) and the length of the match (none, 2, 3), and learns when to copy it and when to
+draft its own. The base's tied embeddings make a copy easy to learn: the proposal's embedding, passed through,
+scores its own token highest under the lm_head.
 
 Training computes the proposals of every position of a block from the block's tokens (`lookup_proposals`, the same
 rule as `ngram_match`); sampling computes them from the row's committed tokens and the node's path. The proposals
