@@ -24,8 +24,8 @@ def topk_kl(logits: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor,
     top_idx [B, T, k] the base's top-k token indices into V (−1: a token outside the draft vocab, its log-prob −inf),
     top_logp [B, T, k] their log-probs under the base's full softmax;
     entry j at position t is scored against p at t + offsets[j], for the T − 1 − offsets[j] positions where it
-    exists; mask [B, T] bool (None: every position): entry j at t counts only where mask[t + 1 + offsets[j]], the token it
-    drafts, is set, and the mean is over those (an entry with none set has KL 0).
+    exists; mask [B, T] bool (None: every position): entry j at t counts only where mask[t + 1 + offsets[j]], the
+    token it drafts, is set, and the mean is over those (an entry with none set has KL 0).
     The sums are taken in fp32 (fp64 stays fp64) whatever the logits' dtype; the gradient has the logits' dtype."""
     B, T = logits.shape[:2]
     mask = torch.ones(B, T, dtype=torch.bool, device=logits.device) if mask is None else mask.bool()
