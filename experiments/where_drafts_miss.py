@@ -1,6 +1,6 @@
 """Where a trained drafter's first draft token misses, against what n-gram lookup would have proposed there.
 
-    OMP_NUM_THREADS=2 .venv/bin/python experiments/where_drafts_miss.py <drafter dir> [<drafter dir> ...] \
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/where_drafts_miss.py [LABEL=]<drafter dir> [...] \
         [--prompts humaneval|question] [--split tune] [--limit 20] [--new 128] [--out <dir>]
 
 At T = 0 a chain of one accepts its draft exactly when the drafter's first entry, given the committed prefix, names
@@ -19,6 +19,7 @@ from its checkpoint (the evaluation may draft from Q8_0 or Q4_1 copies, which ca
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -107,9 +108,9 @@ def summary(rows: list[dict]) -> dict:
 def render(results: dict[str, dict], header: dict) -> str:
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [f"# Where the first draft token misses ({header['prompts']}, {header['n_prompts']} prompts)", "",
-             f"`{header['command']}`", "",
-             f"{header['machine']}; answers: HF generate, float32, greedy, up to {header['new']} new tokens; "
-             f"the drafter teacher-forced in float32; lookup: {header['ngram']}-grams, its first proposed token.", "",
+             f"`{header['command']}` · {header['date']} · {header['machine']}", "",
+             f"Answers: HF generate, float32, greedy, up to {header['new']} new tokens; the drafter teacher-forced in "
+             f"float32; lookup: {header['ngram']}-grams, its first proposed token.", "",
              "| drafter | positions | where | share | drafter top-1 | lookup right | either right |",
              "|---|---|---|---|---|---|---|"]
     for name, s in results.items():
@@ -128,7 +129,8 @@ def render(results: dict[str, dict], header: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("drafters", nargs="+", help="drafter checkpoint dirs (train.py's <run>/drafter)")
+    ap.add_argument("drafters", nargs="+", help="drafter checkpoint dirs (train.py's <run>/drafter), each as "
+                    "LABEL=DIR to name its rows LABEL")
     ap.add_argument("--prompts", default="humaneval", help="humaneval, or a question.jsonl path")
     ap.add_argument("--split", default="tune", help="HumanEval's split (tune: the one settings are chosen on)")
     ap.add_argument("--limit", type=int, default=20)
@@ -143,14 +145,16 @@ def main() -> None:
     answers = [greedy_answer(base, p, args.new) for p in prompts]
     where = [regions(base, a) for a in answers]
     results = {}
-    for path in args.drafters:
+    for arg in args.drafters:
+        label, _, path = arg.rpartition("=")
         drafter = load_drafter(path, base)
         rows = [r for p, a, w in zip(prompts, answers, where)
                 for r in classify(p, a, first_drafts(drafter, base, p + a), w)]
-        results[path] = summary(rows)
+        results[label or path] = summary(rows)
     name = args.prompts if args.prompts == "humaneval" else Path(args.prompts).stem
     header = {"prompts": f"{name} ({args.split} split)" if args.prompts == "humaneval" else name,
               "n_prompts": len(items), "new": args.new, "ngram": "2-3", "machine": cpu_model(),
+              "date": datetime.date.today().isoformat(),
               "command": "python experiments/where_drafts_miss.py " + " ".join(sys.argv[1:])}
     text = render(results, header)
     print(text)

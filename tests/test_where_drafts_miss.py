@@ -75,3 +75,21 @@ def test_each_position_is_classed_by_what_lookup_proposes_there():
     assert s["all"]["drafter"] == sum(r["drafter"] for r in rows) / len(rows)
     assert s["all/lookup wrong"]["lookup"] == 0 and s["all/lookup right"]["lookup"] == 1
     assert all(r["either"] is None or r["either"] >= max(r["drafter"], r["lookup"]) for r in s.values())
+
+
+def test_the_command_writes_its_table_and_json(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from specdec.checkpoint import save_drafter
+
+    base = tiny_base()
+    ab = experiment_script("where_drafts_miss")
+    save_drafter(DraftModel(base, num_layers=base.num_layers), tmp_path / "same")
+    monkeypatch.setattr(ab, "load_base", lambda name: base)
+    monkeypatch.setattr(sys, "argv", ["where_drafts_miss.py", f"itself={tmp_path / 'same'}", "--limit", "2", "--new", "8",
+                                      "--out", str(tmp_path / "out")])
+    ab.main()
+    result = json.loads((tmp_path / "out" / "where_drafts_miss.json").read_text())
+    assert list(result["results"]) == ["itself"] and result["results"]["itself"]["all"]["drafter"] == 1.0
+    assert (tmp_path / "out" / "where_drafts_miss.md").read_text().count("| itself |") == 12
