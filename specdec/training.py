@@ -273,6 +273,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = hydra.utils.instantiate(cfg.data)(tokenizer=base.tokenizer)
     if hasattr(datamodule, "check"):  # a feature cache: refuse another base or missing layers before training
         datamodule.check(base, drafter)
+    if module.loss_on == "answers" and not getattr(datamodule, "answer_mask", True):  # (text blocks: checked per batch)
+        raise ValueError(f"module.loss_on=answers needs a feature cache with the answer mask: {datamodule.path} (or a "
+                         f"data.mix cache) was built without one; rebuild it from chat-message data "
+                         f"(python -m specdec.data.features ...)")
     ckpt_path = resume_path(cfg.get("ckpt_path"), out_dir)
     if drafter.draft_vocab is not None and ckpt_path is None:  # (a resumed run loads it)
         _set_draft_vocab(drafter, datamodule)

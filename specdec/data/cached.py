@@ -92,6 +92,12 @@ class CachedFeatures(L.LightningDataModule):
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.splits: dict[str, FeatureShards] = {}
 
+    @property
+    def answer_mask(self) -> bool:
+        """Whether every cache read (the main one and the mix) holds the answer mask (module.loss_on=answers needs
+        it; a shard without one reads as all ones)."""
+        return all(m.get("answer_mask", False) for m in [self.meta, *self.mix_meta])
+
     def check(self, base, drafter) -> None:
         """One-line errors before any training: a cache of another base, or without the layers the drafter reads."""
         fp = base.fingerprint()

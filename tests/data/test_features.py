@@ -293,7 +293,7 @@ def chat_blocks(tmp_path: Path, tiny) -> TextDataModule:
 def test_the_answer_mask_is_cached_and_trains_on_answers_alone(tiny, tmp_path, topk):
     k = topk or tiny.vocab_size
     meta = cache_features(chat_blocks(tmp_path, tiny), tiny, str(tmp_path / "feat"), topk=k, dtype="float32")
-    assert meta["answer_mask"]
+    assert meta["answer_mask"] and CachedFeatures(str(tmp_path / "feat")).answer_mask
     online = chat_blocks(tmp_path, tiny)
     online.setup()
     cached = CachedFeatures(str(tmp_path / "feat"), batch_size=2)
@@ -314,9 +314,23 @@ def test_the_answer_mask_is_cached_and_trains_on_answers_alone(tiny, tmp_path, t
 def test_answers_only_training_refuses_blocks_without_a_mask(corpus, tiny, tmp_path):
     cache_features(text_blocks(corpus, tiny), tiny, str(tmp_path / "feat"), topk=16, dtype="float32")
     cached = CachedFeatures(str(tmp_path / "feat"), batch_size=2)
+    assert not cached.answer_mask  # train(cfg) refuses module.loss_on=answers on it before training
     cached.setup()
     batch = next(iter(cached.val_dataloader()))
     assert batch["loss_mask"].all()  # raw text: every token counts
     with pytest.raises(ValueError, match="answer mask"):
         module(tiny, trained_medusa(tiny), loss_on="answers")._step({k: v for k, v in batch.items()
                                                                       if k != "loss_mask"}, "val")
+
+
+def test_train_py_trains_on_the_answers_of_a_masked_cache_and_refuses_an_unmasked_one(corpus, tiny, tmp_path):
+    masked, plain = tmp_path / "masked", tmp_path / "plain"
+    cache_features(chat_blocks(tmp_path, tiny), tiny, str(masked), topk=16)
+    cache_features(text_blocks(corpus, tiny), tiny, str(plain), topk=16)
+    overrides = ["base=tiny", "data=cached", "data.batch_size=2", "drafter=medusa", "drafter.num_heads=2",
+                 "module.loss_on=answers", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                 "callbacks.progress_bar.refresh_rate=0"]
+    metrics = train(compose_train([*overrides, f"data.path={masked}"], tmp_path / "a"))
+    assert np.isfinite(metrics["train/loss"]) and 0 <= metrics["val/head1_accept"] <= 1
+    with pytest.raises(ValueError, match="answer mask"):
+        train(compose_train([*overrides, f"data.path={plain}"], tmp_path / "b"))
