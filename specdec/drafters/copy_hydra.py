@@ -26,7 +26,11 @@ from specdec.drafters.drafter import DraftContext, NodeTable, TrainOutput
 from specdec.drafters.hydra import Hydra, HydraHead
 from specdec.ngram import MAX_NGRAM, MIN_NGRAM, lookup_proposals, ngram_match
 
+
 class CopyHydra(Hydra):
+    """Hydra heads whose head k also reads lookup's proposal for the token it drafts and the match's length (0: no
+    match, else its n)."""
+
     graph_draft = False  # expand reads the committed tokens on the host (lookup)
 
     def __init__(self, base: Base, num_heads: int = 1, num_layers: int = 1, own_lm_head: bool = False,
