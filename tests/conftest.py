@@ -42,6 +42,23 @@ def experiment_script(name: str):
     return module
 
 
+def fitted(drafter, base, ids: list[int], steps: int = 30):
+    """`drafter` fitted by Adam for a few steps to the tokens ids (cross-entropy of every entry at its offset), then in
+    eval mode: its drafts hit on those tokens and miss elsewhere, so a test sees rounds of both kinds."""
+    torch.manual_seed(0)
+    x = torch.tensor([ids])
+    feats = base.features(x, layers=drafter.feature_layers)
+    opt = torch.optim.Adam(drafter.parameters(), 1e-2)
+    for _ in range(steps):  # entry j at t drafts t + 1 + offset_j
+        logits = drafter.forward_train(feats, x).logits[0]  # [T, K, V]
+        loss = sum(torch.nn.functional.cross_entropy(logits[: len(ids) - 1 - o, j], x[0, 1 + o :])
+                   for j, o in enumerate(drafter.target_offsets))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
 def write_corpus(d: Path) -> Path:
     """A few small text documents (python-ish) to train on: enough for a handful of 32-token blocks."""
     d.mkdir()

@@ -2,9 +2,8 @@
 of each position."""
 
 import torch
-import torch.nn.functional as F
 
-from conftest import auto_engine, experiment_script
+from conftest import auto_engine, experiment_script, fitted
 from specdec.base import tiny_base
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.hydra import Hydra
@@ -22,21 +21,6 @@ def chain_of_one_hits(drafts: dict[int, int], ids: list[int], start: int) -> int
     return hits
 
 
-def fitted_hydra(base, ids: list[int]) -> Hydra:
-    """A one-head Hydra fitted for a few steps to ids's first half: its drafts hit there and miss after."""
-    torch.manual_seed(0)
-    drafter = Hydra(base, num_heads=1)
-    x = torch.tensor([ids])
-    feats = base.features(x, layers=drafter.feature_layers)
-    opt = torch.optim.Adam(drafter.parameters(), 1e-2)
-    for _ in range(30):  # entry 0 at t predicts t + 2
-        loss = F.cross_entropy(drafter.forward_train(feats, x).logits[0, :-2, 0], x[0, 2:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
 def test_teacher_forced_first_drafts_are_what_a_chain_of_one_accepts():
     base = tiny_base()
     ab = experiment_script("where_drafts_miss")
@@ -46,7 +30,8 @@ def test_teacher_forced_first_drafts_are_what_a_chain_of_one_accepts():
     answer = generate(base, [prompt], None, cfg, engine=eager).tokens[0].tolist()
     # drafting the token after the root (Hydra, offset 1) and the root's own successor (a draft model, offset 0);
     # each with rounds that accept and rounds that do not, so the positions the rounds reach are what is checked
-    for drafter in (fitted_hydra(base, prompt + answer[:12]), DraftModel(base, num_layers=1).eval()):
+    fit = fitted(Hydra(base, num_heads=1), base, prompt + answer[:12])
+    for drafter in (fit, DraftModel(base, num_layers=1).eval()):
         drafts = ab.first_drafts(drafter, base, prompt + answer)
         run = generate(base, [prompt], drafter, cfg, engine=eager)
         assert run.tokens[0].tolist() == answer and 0 < sum(run.accepted[0]) < len(run.accepted[0])

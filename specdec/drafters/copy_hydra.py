@@ -57,9 +57,7 @@ class CopyHydra(Hydra):
         h = feats.hidden[LAST]  # [B, T, H]
         b, t, _ = h.shape
         k_max = len(self.heads)
-        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
-        emb = torch.cat([emb, emb.new_zeros(b, k_max, emb.shape[-1])], dim=1)  # [B, T+K, H]
-        ahead = torch.stack([emb[:, k : k + t] for k in range(1, k_max + 1)], dim=2)  # [B, T, K, H]
+        ahead = self.ahead(input_ids)  # [B, T, K, H]
         proposal, n = lookup_proposals(input_ids)  # [B, T]: for position p + 1 from tokens ≤ p
         pad = lambda x: torch.cat([x, x.new_zeros(b, k_max + 1)], dim=1)  # noqa: E731 (past the end: no match)
         proposal, n = pad(proposal), pad(n)  # [B, T+K+1]
@@ -81,15 +79,8 @@ class CopyHydra(Hydra):
 
     def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
                nodes: torch.Tensor) -> torch.Tensor:
-        if depth >= len(self.heads):
-            raise ValueError(f"CopyHydra with {len(self.heads)} heads drafts at most depth {len(self.heads)}")
         b, n = tokens.shape
-        if depth == 0:
-            paths = tokens.new_zeros(b, n, len(self.heads))  # [B, N, K] path tokens, root first
-        else:
-            paths = state["paths"].get(parents, ctx).clone()
-        paths[:, :, depth] = tokens
-        state["paths"].put(paths, nodes, ctx)
+        paths = self.node_paths(state, ctx, tokens, parents, depth, nodes)  # [B, N, K] root first
         # lookup over each row's committed tokens and the node's path (root included)
         found = [[ngram_match(state["history"][row] + path[: depth + 1], 1, MIN_NGRAM, MAX_NGRAM)
                   for path in paths[row].tolist()] for row in range(b)]

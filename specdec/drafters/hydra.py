@@ -78,15 +78,18 @@ class Hydra(Drafter):
         """z [..., H] of head k (0-based) -> logits [..., V_d]."""
         return self.project(z, self.lm_heads[k] if self.lm_heads is not None else None)
 
-    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
-        h = feats.hidden[LAST]  # [B, T, H]
-        b, t, _ = h.shape
+    def ahead(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of x_{t+1}..x_{t+K} at every t of input_ids [B, T] -> [B, T, K, H]; past the end of the
+        sequence a zero vector (those entries' targets do not exist either, so the training module masks them)."""
+        b, t = input_ids.shape
         k_max = len(self.heads)
-        # Embeddings of x_{t+1}..x_{t+K} at every t; past the end of the sequence a zero vector (those entries'
-        # targets do not exist either, so the training module masks them).
         emb = self.base.embed_tokens(input_ids)  # [B, T, H]
         emb = torch.cat([emb, emb.new_zeros(b, k_max, emb.shape[-1])], dim=1)  # [B, T+K, H]
-        ahead = torch.stack([emb[:, k : k + t] for k in range(1, k_max + 1)], dim=2)  # [B, T, K, H]
+        return torch.stack([emb[:, k : k + t] for k in range(1, k_max + 1)], dim=2)  # [B, T, K, H]
+
+    def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
+        h = feats.hidden[LAST]  # [B, T, H]
+        ahead = self.ahead(input_ids)  # [B, T, K, H]
         logits = [self.head_logits(head(h, ahead[:, :, : k + 1]), k) for k, head in enumerate(self.heads)]
         return TrainOutput(logits=torch.stack(logits, dim=2))  # [B, T, K, V]
 
@@ -102,18 +105,26 @@ class Hydra(Drafter):
         self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
         nodes: torch.Tensor,
     ) -> torch.Tensor:
+        paths = self.node_paths(state, ctx, tokens, parents, depth, nodes)  # [B, N, K]
+        emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
+        h = state["h"][:, None].expand(-1, tokens.shape[1], -1)  # [B, N, H]
+        return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]
+
+    def node_paths(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+                   nodes: torch.Tensor) -> torch.Tensor:
+        """The path tokens of the frontier nodes [B, N, K] (root first; columns past depth unused): each parent's
+        path and the node's own token tokens [B, N], kept for the next depth's children."""
         if depth >= len(self.heads):
-            raise ValueError(f"Hydra with {len(self.heads)} heads drafts at most depth {len(self.heads)}")
+            raise ValueError(f"{type(self).__name__} with {len(self.heads)} heads drafts at most depth "
+                             f"{len(self.heads)}")
         b, n = tokens.shape
         if depth == 0:
-            paths = tokens.new_zeros(b, n, len(self.heads))  # [B, N, K] path tokens, root first; cols > depth unused
+            paths = tokens.new_zeros(b, n, len(self.heads))
         else:
-            paths = state["paths"].get(parents, ctx).clone()  # [B, N, K] each parent's path
+            paths = state["paths"].get(parents, ctx).clone()  # each parent's path
         paths[:, :, depth] = tokens
         state["paths"].put(paths, nodes, ctx)
-        emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
-        h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
-        return self.head_logits(self.heads[depth](h, emb), depth)  # [B, N, V_d]
+        return paths
 
     def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
                      top: int = 1) -> torch.Tensor | None:

@@ -4,14 +4,13 @@ computes."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specdec.base import tiny_base
 from specdec.drafters.copy_hydra import CopyHydra
 from specdec.ngram import lookup_proposals, ngram_match
 from specdec.sampling.decode import SamplerConfig, generate
 
-from conftest import auto_engine, experiment_script
+from conftest import auto_engine, experiment_script, fitted
 
 
 def test_the_training_proposals_are_lookup_s():
@@ -47,29 +46,13 @@ def test_a_head_reads_the_proposal():
     assert not torch.allclose(with_it, without)
 
 
-def fitted(base, ids: list[int], heads: int = 1) -> CopyHydra:
-    """A CopyHydra fitted for a few steps to ids (the first half of an answer): its drafts hit there and miss after."""
-    torch.manual_seed(0)
-    drafter = CopyHydra(base, num_heads=heads)
-    x = torch.tensor([ids])
-    feats = base.features(x)
-    opt = torch.optim.Adam(drafter.parameters(), 1e-2)
-    for _ in range(30):  # entry j at t drafts t + j + 2
-        logits = drafter.forward_train(feats, x).logits[0]
-        loss = sum(F.cross_entropy(logits[: -(j + 2), j], x[0, j + 2 :]) for j in range(heads))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
 def test_a_chain_of_one_drafts_what_training_computes_and_stays_lossless():
     base = tiny_base()
     prompt = [5, 6, 7, 8, 5, 6, 7]
     cfg = SamplerConfig(max_new_tokens=24, gamma=1, eos_token_id=[])
     eager = auto_engine(name="eager")
     answer = generate(base, [prompt], None, cfg, engine=eager).tokens[0].tolist()
-    drafter = fitted(base, prompt + answer[:12])
+    drafter = fitted(CopyHydra(base, num_heads=1), base, prompt + answer[:12])
     run = generate(base, [prompt], drafter, cfg, engine=eager)
     assert run.tokens[0].tolist() == answer and 0 < sum(run.accepted[0]) < len(run.accepted[0])
     # the rounds' accepted drafts are the teacher-forced drafts at the positions the rounds reach
@@ -87,7 +70,7 @@ def test_the_lean_chain_drafts_what_expand_drafts():
     prompt = [5, 6, 7, 8, 5, 6, 7]
     cfg = SamplerConfig(max_new_tokens=24, gamma=3, eos_token_id=[])
     answer = generate(base, [prompt], None, cfg, engine=auto_engine(name="eager")).tokens[0].tolist()
-    drafter = fitted(base, prompt + answer[:12], heads=3)
+    drafter = fitted(CopyHydra(base, num_heads=3), base, prompt + answer[:12])
     lean = generate(base, [prompt], drafter, cfg, engine=auto_engine(name="eager"))
     drafter.greedy_chain = lambda *a, **k: None  # depth by depth through expand
     tree = generate(base, [prompt], drafter, cfg, engine=auto_engine(name="eager"))
