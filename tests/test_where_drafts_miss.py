@@ -1,8 +1,6 @@
 """experiments/where_drafts_miss.py: teacher-forced first drafts are what a chain of one drafts, and lookup's class
 of each position."""
 
-import torch
-
 from conftest import auto_engine, experiment_script, fitted
 from specdec.base import tiny_base
 from specdec.drafters.draft_model import DraftModel
