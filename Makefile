@@ -169,9 +169,11 @@ features-general: setup
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
 # answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
-# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5).
-TABLES := drafters leviathan medusa_heads exit_layer prophet_vs_early_exit self_speculative draft_model general_domain \
-          best_drafter
+# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5). The cheapest
+# tables run first, leviathan's 3,000 steps last (hours on 2 cores), so a stopped run has finished tables to show;
+# running `make tables` again continues where it stopped.
+TABLES := prophet_vs_early_exit exit_layer medusa_heads self_speculative drafters general_domain draft_model \
+          best_drafter leviathan
 tables: setup peers features-completions features-general
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete
