@@ -171,15 +171,18 @@ features-general: setup
 # answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
 # best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5). The cheapest
 # tables run first, leviathan's 3,000 steps last (hours on 2 cores), so a stopped run has finished tables to show;
-# running `make tables` again continues where it stopped.
+# running `make tables` again continues where it stopped. The general-domain cache is built before the first table
+# that reads it.
 TABLES := prophet_vs_early_exit exit_layer medusa_heads self_speculative drafters general_domain draft_model \
           best_drafter leviathan
-tables: setup peers features-completions features-general
+tables: setup peers features-completions
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete' hydra.run.dir=logs/features/stdlib_complete
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m specdec.data.features 'data.source.kinds=[complete]' 'layers=[2,4,8,12,16]' \
 	    'out_dir=$${paths.cache_dir}/features/stdlib_complete_exits' hydra.run.dir=logs/features/stdlib_complete_exits
-	for t in $(TABLES); do OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
+	for t in $(TABLES); do \
+	    case $$t in general_domain|best_drafter) $(MAKE) features-general || exit 1;; esac; \
+	    OMP_NUM_THREADS=$(THREADS) $(PY) experiments/$$t.py || exit 1; done
 	$(PY) experiments/sync_pages.py
 
 bench: setup peers
