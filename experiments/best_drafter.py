@@ -102,7 +102,7 @@ def build(root: Path) -> Table:
 
 
 def _cells(row: dict, report: dict) -> dict:
-    from specdec.evaluation import _identity_cell  # the report's own cell: yes, n/a, or how many answers agree
+    from specdec.evaluation.report import identity_cell  # the report's own cell: yes, n/a, or how many answers agree
 
     lev = row.get("leviathan", {})
     lookup, llama = method_row(report, LOOKUP, None), method_row(report, "llama_cpp", None)
@@ -110,7 +110,7 @@ def _cells(row: dict, report: dict) -> dict:
             "tok_s": row["tok_per_s"], "vs_ar_mean": row["speedup_vs_ar"], "vs_ar": spread(row),
             "vs_lookup": row["speedup_vs_ar"] / lookup["speedup_vs_ar"] if lookup else None,
             "vs_llama": row["tok_per_s"] / llama["tok_per_s"] if llama else None,
-            "identical": _identity_cell(row)}
+            "identical": identity_cell(row)}
 
 
 def _run_line(report: dict) -> str:

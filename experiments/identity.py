@@ -32,7 +32,7 @@ from specdec.checkpoint import load_drafter, write_json, write_text  # noqa: E40
 from specdec.data.prompts import humaneval, question_jsonl, render_chat  # noqa: E402
 from specdec.engines import build  # noqa: E402
 from specdec.engines.measure import cpu_label, cpu_model  # noqa: E402
-from specdec.evaluation import _cut_at_eos  # noqa: E402  (EOS counted as a generated token, as everywhere)
+from specdec.evaluation.runs import cut_at_eos  # noqa: E402  (EOS counted as a generated token, as everywhere)
 from specdec.sampling.config import SamplerConfig  # noqa: E402
 from specdec.sampling.decode import generate  # noqa: E402
 from specdec.sampling.lookup import fresh_counts  # noqa: E402
@@ -67,7 +67,7 @@ def contexts(base: Base, limit: int | None, max_new: int, cache: Path, batch: in
             seq = base.model.generate(x, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                                       eos_token_id=eos, pad_token_id=pad)
             for i, p, row in zip(chunk, prompts, seq[:, width:].tolist()):
-                answer = _cut_at_eos(row, eos)
+                answer = cut_at_eos(row, eos)
                 name, it = items[i]
                 done.append({"set": name, "id": str(it["id"]), "turn": turn, "prompt": p, "reference": answer})
                 histories[i].append({"role": "assistant",
@@ -159,7 +159,7 @@ def main() -> None:
 def _compare(base, name, todo, decode, eos, computes) -> dict:
     mismatches = []
     for c in todo:
-        theirs = _cut_at_eos(decode(c["prompt"]), eos)
+        theirs = cut_at_eos(decode(c["prompt"]), eos)
         pos = first_difference(theirs, c["reference"])
         if pos is not None:
             tok = theirs[pos] if pos < len(theirs) else None

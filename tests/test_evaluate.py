@@ -92,7 +92,7 @@ def test_refuses_drafter_of_another_base(tmp_path, questions):
 
 
 def test_methods_take_turns_and_a_killed_evaluation_resumes_where_it_stopped(tmp_path, questions, monkeypatch):
-    import specdec.evaluation as ev
+    import specdec.evaluation.run as ev
 
     tiny = tiny_base()
     save_drafter(Medusa(tiny, num_heads=2), tmp_path / "medusa")
@@ -135,7 +135,7 @@ def test_leviathan_charges_adaptive_rounds_their_own_verify_cost(tmp_path, quest
         asked.append(list(ns))
         return {n: [float(n)] * kwargs["reps"] for n in ns}
 
-    monkeypatch.setattr("specdec.evaluation.forward_times", linear_times)
+    monkeypatch.setattr("specdec.evaluation.run.forward_times", linear_times)
     tiny = tiny_base()
     save_drafter(Medusa(tiny, num_heads=3), tmp_path / "medusa")
     cfg = _cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", f"drafters=[{tmp_path}/medusa]",
@@ -166,15 +166,15 @@ def test_passes_give_a_spread_and_identity_is_against_an_independent_reference(t
     assert (tmp_path / "eval" / "reference.json").exists()
     assert "× 2 passes" in report["header"]["prompts"]
     # a reference the AR loop does not reproduce (every answer's last token changed): NO
-    from specdec import evaluation
+    from specdec.evaluation import run, runs
 
-    hf = evaluation._hf
+    hf = run.hf
 
     def changed(*args):
         run = hf(*args)
-        return lambda prompts: [evaluation.Run(r.tokens[:-1] + [r.tokens[-1] + 1], r.seconds) for r in run(prompts)]
+        return lambda prompts: [runs.Run(r.tokens[:-1] + [r.tokens[-1] + 1], r.seconds) for r in run(prompts)]
 
-    monkeypatch.setattr(evaluation, "_hf", changed)
+    monkeypatch.setattr(run, "hf", changed)
     again = evaluate(_cfg(tmp_path, ["prompts=jsonl", f"prompts.path={questions}", "sampler.eos_token_id=[]",
                                      "peers=[]", "passes=2", "overwrite=true"]))
     assert {r["method"]: r for r in again["rows"]}["ar (ours)"]["greedy_identical"] is False
