@@ -26,7 +26,7 @@ from specdec.sampling.metrics import prompt_metrics, token_acceptance
 
 
 def tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, float], reference: dict | None = None,
-              passes: int = 1) -> dict[str, Any]:
+             passes: int = 1) -> dict[str, Any]:
     categories = sorted({it["category"] for it in items})
     ar_runs = runs[AR]
 

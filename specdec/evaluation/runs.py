@@ -44,7 +44,7 @@ class Method:
     lossless: bool
     chain_gamma: int | None = None  # set for chain drafters: the Leviathan check applies
     batch: int = 1
-    peer: bool = False  # a peer (HF, llama.cpp): takes its turn after ours (see _take_turns)
+    peer: bool = False  # a peer (HF, llama.cpp): takes its turn after ours (run.py: _take_turns)
     computes: str | None = None  # a peer that computes another model than the reference's: what it is
 
 
