@@ -62,7 +62,7 @@ def build(root: Path) -> Table:
                  {"train": "trained on", "steps": "steps", "val_tau": "val τ (predicted)",
                   "prompts": "prompts", "tau": "τ", "alpha": "α", "speedup": "heads × AR (ours)",
                   "vs_lookup": "heads × lookup", "lookup": "lookup × AR", "with_lookup": "heads + lookup × AR"},
-                 plot, notes)
+                 plot, notes, attach={f"eval_{job}.md": root / "eval" / job / "report.md" for job in reports})
 
 
 if __name__ == "__main__":

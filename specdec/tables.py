@@ -53,6 +53,9 @@ class Table:
     columns: dict[str, str]  # row key -> column header, in order
     plot: Callable[[Any], None] | None = None  # draws on a matplotlib Figure
     notes: list[str] = field(default_factory=list)
+    # file name -> a run's file, copied beside the table (an evaluation's report.md, whose identity column and
+    # Leviathan check the table itself leaves out)
+    attach: dict[str, Path] = field(default_factory=dict)
 
 
 Evaluate = Callable[[Path, list[str]], list[str]]  # (the table's log root, eval overrides) -> the scripts that failed
@@ -211,6 +214,8 @@ def write(out: Path, name: str, table: Table, command: str, machine: str) -> Non
         fig.savefig(tmp, dpi=110)
         plt.close(fig)
         os.replace(tmp, out / f"{name}.png")
+    for file, src in table.attach.items():
+        write_text(out / file, src.read_text())
     print("\n".join(md))
     print(f"[specdec] table written to {out}")
 
