@@ -6,7 +6,7 @@ measures, how to run it, the reading) is left as it is; the reading is the one p
     python experiments/sync_pages.py --check  # list them and exit 1 (tests/test_pages.py runs this)
 
 A page takes part when it has the "- **Command** (as the result file records it):" line; pages that describe a
-longer recipe than the table's one command (general_domain, eagle3_vs_prophet) keep their own header."""
+longer recipe than the table's one command (eagle3_vs_prophet) keep their own header."""
 
 from __future__ import annotations
 
