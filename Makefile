@@ -169,10 +169,10 @@ features-general: setup
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
 # answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
-# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5). The cheapest
-# tables run first, leviathan's 3,000 steps last (hours on 2 cores), so a stopped run has finished tables to show;
-# running `make tables` again continues where it stopped. The general-domain cache is built before the first table
-# that reads it.
+# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5, 1 h on a Zen 4).
+# The cheapest tables run first, best_drafter and leviathan (750 steps, about 30 min) last, so a stopped run has
+# finished tables to show; running `make tables` again continues where it stopped (a training from its last
+# checkpoint). The general-domain cache is built before the first table that reads it.
 TABLES := prophet_vs_early_exit exit_layer medusa_heads self_speculative drafters general_domain draft_model \
           best_drafter leviathan
 tables: setup peers features-completions
