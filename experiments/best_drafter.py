@@ -98,7 +98,8 @@ def build(root: Path) -> Table:
     return Table("The best recipe against decoding that needs no training", rows,
                  {"prompts": "prompts", "shape": "draft (shape, precision)", "method": "method", "tau": "τ", "alpha": "α",
                   "c": "c", "o": "o", "tok_s": "tok/s", "vs_ar": "× AR (ours)", "vs_lookup": "× lookup",
-                  "vs_llama": "× llama.cpp", "identical": "greedy-identical"}, plot, notes)
+                  "vs_llama": "× llama.cpp", "identical": "greedy-identical"}, plot, notes,
+                 attach={f"eval_{prompts}.md": root / "eval" / prompts / "report.md" for prompts in reports})
 
 
 def _cells(row: dict, report: dict) -> dict:
