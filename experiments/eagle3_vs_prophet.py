@@ -12,7 +12,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _machine, _run, eval_reports,
+from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _measured, _run, eval_reports,
                             method_row, train_runs, val_curve, write)
 
 NAME = "eagle3_vs_prophet"
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = root / "table" if args.smoke else ROOT / "experiments" / "results" / NAME
     # the command that ran the table's trainings and evaluations (a --render only redraws them)
     command = " ".join(["python", f"experiments/{NAME}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
-    write(out, NAME, build(root), command, _machine(root))
+    write(out, NAME, build(root), command, *_measured(root))
     if failed:
         raise SystemExit(f"[specdec] table {NAME}: {' and '.join(failed)} failed; the table holds the finished runs only")
     return out

@@ -98,7 +98,7 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
     # shell-quoted, so that the command a result records runs as printed (an override's ${...} stays Hydra's)
     command = shlex.join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []),
                           *(["--render"] if args.render else []), *args.overrides])
-    write(out, name, table, command, _machine(root))
+    write(out, name, table, command, *_measured(root))
     if failed:
         print(f"[specdec] table {name}: {' and '.join(failed)} failed (see its summary above); "
               f"the table holds the finished runs only", file=sys.stderr)
@@ -187,11 +187,11 @@ def tau_and_speedup(fig, xlabel: str, tau: list[Line], speedup: list[Line]) -> N
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def write(out: Path, name: str, table: Table, command: str, machine: str) -> None:
+def write(out: Path, name: str, table: Table, command: str, date: str, machine: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cols = list(table.columns)
     md = [f"# {table.title}", "",
-          f"`{command}` · {datetime.date.today()} · {machine}", "",
+          f"`{command}` · {date} · {machine}", "",
           "| " + " | ".join(table.columns.values()) + " |", "|---" * len(cols) + "|"]
     md += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in table.rows]
     md += [""] + [f"{n}" for n in table.notes] + ["", f"![{name}]({name}.png)"]
@@ -232,9 +232,14 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _machine(root: Path) -> str:
-    """Where the table's numbers were measured: the machine its evaluation reports name (not the one rendering)."""
-    report = next(iter(eval_reports(root).values()), None)
-    if report is None:
-        return f"{platform.machine()}, {os.cpu_count()} cores"
-    return f"{report['header']['device']}, {report['header']['threads']} threads"
+def _measured(root: Path) -> tuple[str, str]:
+    """When and where the table's numbers were measured, not when and where it is rendered (a table read back a day
+    later keeps its day): the newest evaluation's date (a report from before evaluate.py recorded one: the day its
+    file was written) and the machine its evaluation reports name."""
+    paths = sorted((root / "eval").glob(f"**/{REPORT}"))
+    if not paths:
+        return datetime.date.today().isoformat(), f"{platform.machine()}, {os.cpu_count()} cores"
+    headers = [json.loads(p.read_text())["header"] for p in paths]
+    dates = [h.get("date") or datetime.date.fromtimestamp(p.stat().st_mtime).isoformat()
+             for h, p in zip(headers, paths)]
+    return max(dates), f"{headers[0]['device']}, {headers[0]['threads']} threads"

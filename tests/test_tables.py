@@ -3,6 +3,7 @@ base) and writes its table as markdown + CSV + PNG. (Reruns reading finished run
 test_train.py and test_evaluate.py.)"""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -101,3 +102,17 @@ def test_table_with_a_failed_job_exits_nonzero(smoke_runs):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "table leviathan: train.py and evaluate.py failed" in proc.stderr
     assert (tmp_path / "experiments" / "leviathan" / "table" / "leviathan.md").exists()
+
+
+def test_a_table_read_back_later_keeps_the_day_and_machine_it_was_measured_on(tmp_path):
+    from specdec.tables import _measured
+
+    header = {"device": "cpu (a test CPU)", "threads": 2}
+    for job, date in (("a", "2026-01-02"), ("b", None)):  # b: a report from before evaluate.py recorded its date
+        (tmp_path / "eval" / job).mkdir(parents=True)
+        path = tmp_path / "eval" / job / "results.json"
+        path.write_text(json.dumps({"header": {**header, **({"date": date} if date else {})}}))
+    os.utime(path, (0, 86_400 * 365))  # b written on 1971-01-01
+    assert _measured(tmp_path) == ("2026-01-02", "cpu (a test CPU), 2 threads")
+    (tmp_path / "eval" / "a" / "results.json").unlink()
+    assert _measured(tmp_path) == ("1971-01-01", "cpu (a test CPU), 2 threads")

@@ -5,6 +5,7 @@ check with the costs measured in the run), written as markdown, JSON and CSV, pl
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -149,6 +150,7 @@ def tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, f
         "identity_reference": reference["source"] if reference is not None else "none (n/a)",
         "best_ar": best_ar,
         "platform": platform.platform(),
+        "date": datetime.date.today().isoformat(),  # (a table re-rendered later keeps the day it was measured)
         "drafters": {n: m.get("base_name") for n, m in metas.items()},
     }
     return {"header": header, "categories": categories, "rows": rows}
