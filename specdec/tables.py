@@ -95,9 +95,9 @@ def main(name: str, build: Callable[[Path], Table], argv: list[str] | None = Non
             failed += evaluate(root, [*both, *evals])
     table = build(root)
     out = Path(args.out) if args.out else (root / "table" if args.smoke else ROOT / "experiments" / "results" / name)
-    # shell-quoted, so that the command a result records runs as printed (an override's ${...} stays Hydra's)
-    command = shlex.join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []),
-                          *(["--render"] if args.render else []), *args.overrides])
+    # the command that ran the table's trainings and evaluations (a --render only redraws their runs), shell-quoted
+    # so that it runs as printed (an override's ${...} stays Hydra's)
+    command = shlex.join(["python", f"experiments/{name}.py", *(["--smoke"] if args.smoke else []), *args.overrides])
     write(out, name, table, command, *_measured(root))
     if failed:
         print(f"[specdec] table {name}: {' and '.join(failed)} failed (see its summary above); "
