@@ -4,6 +4,7 @@
 import json
 
 import pytest
+from conftest import ROOT
 
 from specdec.base import tiny_base
 from specdec.data import magpie
@@ -48,6 +49,27 @@ def test_overlap_finds_shared_13_grams_not_lines():
     check = Overlap(["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"])
     assert check.hits("Zero, ONE two three four five six seven eight nine ten eleven twelve thirteen!")
     assert not check.hits("one two three four five six seven eight nine ten eleven twelve")  # 12 words
+
+
+def test_the_check_fails_on_a_planted_leak_in_a_request_or_an_answer(tmp_path, capsys):
+    from datasets import Dataset
+
+    from specdec.data.overlap import main
+
+    lines = (ROOT / "experiments" / "prompts" / "question.jsonl").read_text().splitlines()
+    question = max((t for line in lines for t in json.loads(line)["turns"]), key=len)
+    words = " ".join(eval_texts()[0].split()[-30:]).upper()  # half a HumanEval docstring, recased: no equal line
+    rows = [{"id": "clean", "messages": [{"role": "user", "content": "Write a haiku about tea."},
+                                         {"role": "assistant", "content": "Steam rises, leaves unfold."}]},
+            {"id": "request", "messages": [{"role": "user", "content": f"Explain this: {words}"},
+                                           {"role": "assistant", "content": "Sure."}]},
+            {"id": "answer", "messages": [{"role": "user", "content": "Say something."},
+                                          {"role": "assistant", "content": f"You asked: {question}"}]}]
+    Dataset.from_list(rows[:1]).save_to_disk(str(tmp_path / "clean" / "shards" / "0"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "leaky" / "shards" / "0"))
+    assert main([str(tmp_path / "clean")]) == 0
+    assert main([str(tmp_path / "leaky")]) == 1
+    assert "2 of 3 rows share a 13-gram" in capsys.readouterr().out
 
 
 def test_requests_are_sampled_filtered_and_resumed(base, tmp_path, monkeypatch):
