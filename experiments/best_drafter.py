@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_reports, main, method_row, spread
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_report_files, eval_reports, main, method_row, spread
 
 NAME = "best_drafter"
 AR, LOOKUP, PEERS = "ar (ours)", "lookup (ours)", ("llama_cpp", "llama_cpp_lookup")
@@ -99,7 +99,7 @@ def build(root: Path) -> Table:
                  {"prompts": "prompts", "shape": "draft (shape, precision)", "method": "method", "tau": "τ", "alpha": "α",
                   "c": "c", "o": "o", "tok_s": "tok/s", "vs_ar": "× AR (ours)", "vs_lookup": "× lookup",
                   "vs_llama": "× llama.cpp", "identical": "greedy-identical"}, plot, notes,
-                 attach={f"eval_{prompts}.md": root / "eval" / prompts / "report.md" for prompts in reports})
+                 attach=eval_report_files(root))
 
 
 def _cells(row: dict, report: dict) -> dict:

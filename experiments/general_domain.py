@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, spread, train_runs
+from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_report_files, eval_reports, main, method_row, spread, train_runs
 
 NAME = "general_domain"
 # training run (train.yaml's train_on) -> its method name: evaluate names the drafters hydra, hydra#1 in the order
@@ -62,7 +62,7 @@ def build(root: Path) -> Table:
                  {"train": "trained on", "steps": "steps", "val_tau": "val τ (predicted)",
                   "prompts": "prompts", "tau": "τ", "alpha": "α", "speedup": "heads × AR (ours)",
                   "vs_lookup": "heads × lookup", "lookup": "lookup × AR", "with_lookup": "heads + lookup × AR"},
-                 plot, notes, attach={f"eval_{job}.md": root / "eval" / job / "report.md" for job in reports})
+                 plot, notes, attach=eval_report_files(root))
 
 
 if __name__ == "__main__":

@@ -123,11 +123,21 @@ def train_runs(root: Path) -> dict[str, dict]:
 def eval_reports(root: Path, stage: str = "eval") -> dict[str, dict]:
     """Finished evaluations of the table: job dir name ('' for a single run) -> results.json. stage: the folder
     under the table's log root (a staged evaluation's tuning sweep writes to its own)."""
-    reports = {}
+    return {job: json.loads(p.read_text()) for job, p in _report_paths(root, stage).items()}
+
+
+def eval_report_files(root: Path, stage: str = "eval") -> dict[str, Path]:
+    """Table.attach for a table with one evaluation job per prompt set: eval_<job>.md -> that job's report.md."""
+    return {f"eval_{job}.md": p.with_name("report.md") for job, p in _report_paths(root, stage).items()}
+
+
+def _report_paths(root: Path, stage: str) -> dict[str, Path]:
+    """job dir name ('' for a single run) -> its results.json, for the finished evaluations under root/stage."""
+    paths = {}
     for p in sorted((root / stage).glob(f"**/{REPORT}")):
         job = p.parent.relative_to(root / stage)
-        reports["" if job == Path(".") else str(job)] = json.loads(p.read_text())
-    return reports
+        paths["" if job == Path(".") else str(job)] = p
+    return paths
 
 
 def drafter_runs(report: dict) -> dict[str, dict]:
@@ -236,7 +246,7 @@ def _measured(root: Path) -> tuple[str, str]:
     """When and where the table's numbers were measured, not when and where it is rendered (a table read back a day
     later keeps its day): the newest evaluation's date (a report from before evaluate.py recorded one: the day its
     file was written) and the machine its evaluation reports name."""
-    paths = sorted((root / "eval").glob(f"**/{REPORT}"))
+    paths = list(_report_paths(root, "eval").values())
     if not paths:
         return datetime.date.today().isoformat(), f"{platform.machine()}, {os.cpu_count()} cores"
     headers = [json.loads(p.read_text())["header"] for p in paths]
