@@ -9,6 +9,7 @@ import importlib.util
 import inspect
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,21 @@ def cache_arg(module: nn.Module, cache) -> dict:
     5.x (where `past_key_values` warns and goes away in 5.40), `past_key_values` before (4.56+). Read off the forward's
     signature, once per class, so any HF model's layers take it under their own name."""
     return {_cache_name(type(module)): cache}
+
+
+def layer_keys(layer: nn.Module, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's keys and values of c [B, n, H] read with no input norm, keys rotated by the rotary
+    (cos, sin) [B, n, d] of their positions -> [B, kv_heads, n, d] each, as the layer's attention stores its own."""
+    attn = layer.self_attn
+    b, n, _ = c.shape
+    k = attn.k_proj(c).view(b, n, -1, attn.head_dim)
+    if hasattr(attn, "k_norm"):  # (Qwen3-style per-head key norms)
+        k = attn.k_norm(k)
+    v = attn.v_proj(c).view(b, n, -1, attn.head_dim).transpose(1, 2)
+    k = k.transpose(1, 2)
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own rotary
+    return rotate(k, k, cos, sin)[0], v
 
 
 @functools.cache

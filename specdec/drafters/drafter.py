@@ -56,6 +56,10 @@ class DraftContext(Protocol):
     `expand` calls; node i sits at position L_b + depth(i) of row b, where L_b is the row's committed length.
     """
 
+    # The deepest depth a round's draft reaches (the sampler's chain length or tree depth, the same every round): what
+    # a block drafter sizes its one pass by, whichever way the round is drafted.
+    draft_depth: int
+
     def run_layers(
         self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str = "base", position_offset: int = 0
     ) -> torch.Tensor:
@@ -68,6 +72,18 @@ class DraftContext(Protocol):
         `store="base"` is the base's own cache (keyed by each layer's `self_attn.layer_idx`), which the
         sampler's verify forward also writes; any other name is a drafter-private cache of the same layout.
         `position_offset` shifts the rotary positions (a drafter whose entry for token t+1 sits at t uses -1)."""
+        ...
+
+    def write_keys(self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str,
+                   position_offset: int = 0) -> None:
+        """Write each layer's attention keys and values of hidden [B, n, H] (its k_proj / v_proj over hidden as it is,
+        no input norm; keys rotated at the layout's positions) into `store` at the current layout's slots, without
+        running a query: context that later queries of the store attend to (a block drafter's base features)."""
+        ...
+
+    def block_layout(self, n: int) -> None:
+        """In `expand` or `greedy_chain`: lay the call out over the round's first n slots (the root's, then n − 1
+        after it, at depths 0 .. n − 1), each query seeing the committed prefix and all n: a block in one pass."""
         ...
 
     def commit_layout(self, n: int) -> None:

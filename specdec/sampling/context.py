@@ -15,7 +15,7 @@ from typing import Collection, Sequence
 import torch
 from torch import nn
 
-from specdec.base import Base, cache_arg
+from specdec.base import Base, cache_arg, layer_keys
 from specdec.sampling.cache import SlotCache
 from specdec.sampling.engine import REFERENCE, Engine
 from specdec.sampling.rotary import RotaryTable, lean_rope
@@ -30,6 +30,12 @@ def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     cost far more than in a loop (a decode's caches are cold then): the prophet's drafting at γ = 4, two such layouts a
     round, 1.36 -> 1.32 ms a round on a 2-core Zen 5 (interleaved runs)."""
     return torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@functools.lru_cache(maxsize=16)
+def _full(n: int) -> torch.Tensor:
+    """[n, n] all true (CPU, read-only): a block's queries see each other."""
+    return torch.ones(n, n, dtype=torch.bool)
 
 
 class SamplingContext:
@@ -54,6 +60,7 @@ class SamplingContext:
         self._mask: torch.Tensor | None | object = None  # see `mask`
         self._start: int | None = None  # one row, consecutive rotary positions: the first (host), else None
         self.width = 0
+        self.draft_depth = 1  # DraftContext.draft_depth (set by the sampler before it drafts)
         self.write_start: int | None = None
         self.span = (0, 0)  # lowest and highest position of the layout (host ints)
         self.rel: torch.Tensor | None = None  # [n] (CPU) round slot of each query
@@ -74,6 +81,12 @@ class SamplingContext:
         """Queries = round nodes at round-relative slots rel_slots [n] (CPU), rotary depth [n] (CPU);
         visible [n, R] (CPU, bool): which round-relative slots each query sees (its ancestors and itself)."""
         self._layout(rel_slots, depth, visible)
+
+    def block_layout(self, n: int) -> None:
+        """Queries = the round's first n slots (the root's and n − 1 after it) at depths 0 .. n − 1, each seeing all n
+        and the committed prefix: a block drafted in one pass."""
+        rel, _ = _causal(n)
+        self._layout(rel, rel, _full(n))
 
     def _layout(self, rel: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> None:
         rel_host, depth_host = rel.tolist(), depth.tolist()  # a few ints: host arithmetic beats tensor ops here
@@ -173,6 +186,16 @@ class SamplingContext:
         if pool is not None:
             return pool.forward(fast, hidden, self._at, *self._graph_layout(), offset=position_offset)[0]
         return self._run(layers, fast, hidden, self._store(store), position_offset)[0]
+
+    def write_keys(self, layers: Sequence[nn.Module], hidden: torch.Tensor, store: str, position_offset: int = 0
+                   ) -> None:
+        """DraftContext.write_keys: each layer's keys and values of hidden [B, n, H] at the layout's slots of `store`,
+        read by its k_proj / v_proj with no input norm and rotated at the layout's positions; no query runs."""
+        cache = self._store(store)
+        cos, sin = self._rotary(hidden, position_offset, True, False)[0]  # [B, n, d]
+        for layer in layers:
+            k, v = layer_keys(layer, hidden, cos, sin)
+            cache.update(k, v, layer.self_attn.layer_idx)
 
     def _run(self, layers: Sequence[nn.Module], fast: list[nn.Module | None], hidden: torch.Tensor, cache: SlotCache,
              position_offset: int = 0, keep: Collection[int] = (),

@@ -189,11 +189,13 @@ class Decode:
         if cfg.tree == "dynamic":
             if cfg.dynamic_depth > limit:
                 raise ValueError(f"dynamic_depth {cfg.dynamic_depth} > the drafter's max_depth {limit}")
+            ctx.draft_depth = cfg.dynamic_depth
             return draft_dynamic(drafter, self.state, ctx, self.root, cfg.dynamic_depth, cfg.dynamic_topk,
                                  cfg.dynamic_budget, self.verify_cost)
         paths = chain_paths(cfg.gamma) if cfg.tree == "chain" else cfg.paths  # static_tree closes them, once a shape
         if max(len(p) for p in paths) > limit:
             raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
+        ctx.draft_depth = max(len(p) for p in paths)
         sampled = cfg.tree == "chain" and cfg.temperature > 0
         if not sampled and self.length is None:
             whole = self.engine.draft_round(drafter, self.state, ctx, self.root, paths)  # one recorded graph?
