@@ -1,4 +1,4 @@
-"""The one small interface between the algorithm and whatever runs its forwards fast.
+"""The interface between the algorithm and whatever runs its forwards fast.
 
 The sampler (decode, context, trees, cost) asks an `Engine` how to run a stack of decoder layers, the verify's argmax,
 a drafter's whole greedy chain or a whole recorded draft; every method here is the reference answer: each decoder
