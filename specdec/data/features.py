@@ -14,8 +14,8 @@ Layout of `out_dir`:
                                     meta.json's answer_mask says whether the cache has it)
 
 The base runs in bf16 autocast where this machine multiplies bf16 clearly faster (`precision=auto`, timed by
-specdec.precision as for training; a Zen 5 EPYC: 3x faster a batch, the hidden states within 0.8 % of float32's and the
-top-1 token the same at 98 % of positions), else in its own dtype; meta.json records which.
+specdec.precision as for training; bf16 rounds the stored hidden states and top-k targets, so a cache records it),
+else in its own dtype; meta.json records which.
 
 Run: python -m specdec.data.features [data=distilled] [layers=[-1,8]] [topk=64] [precision=auto|fp32|bf16]
 """
@@ -127,7 +127,7 @@ def _shard(base: Base, ids: torch.Tensor, layers: list[int], topk: int, store: t
 
 def _resolve_precision(precision: str, base: Base, out: Path) -> str:
     """fp32 | bf16 for `precision` (fp32 | bf16 | auto). auto: a cache being resumed keeps the precision it was begun
-    in (one built before this option: fp32), else bf16 where choose_precision times bf16 products ≥ 1.25x faster on
+    in (a meta.json without one: fp32), else bf16 where choose_precision times bf16 products ≥ 1.25x faster on
     this device for the base's widest product (its lm_head), else fp32; the choice is printed."""
     if precision not in (AUTO, "fp32", "bf16"):
         raise ValueError(f"precision must be auto, fp32 or bf16, got {precision!r}")
@@ -169,14 +169,14 @@ def _existing_meta(out: Path) -> dict | None:
     if not path.exists():
         return None
     meta = json.loads(path.read_text())
-    meta.setdefault("precision", "fp32")  # a cache from before the option: the base in its own dtype
+    meta.setdefault("precision", "fp32")  # a meta.json without the key: the base ran in its own dtype
     return meta
 
 
 def _write_or_check_meta(out: Path, meta: dict) -> None:
     old = _existing_meta(out)
     if old is not None:
-        # (a cache from before the answer mask is the same cache without one: kept, and refused only by a training
+        # (a meta.json without answer_mask is the same cache without the mask: kept, and refused only by a training
         # that asks for the mask)
         diff = sorted(k for k in meta if old.get(k) != meta[k] and (k in old or k != "answer_mask"))
         if diff:
