@@ -191,3 +191,36 @@ def test_humaneval_splits_are_disjoint_halves():
     assert report[0]["id"] == "HumanEval/0" and tune[0]["id"] == "HumanEval/82"
     with pytest.raises(ValueError, match="split must be report, tune or null"):
         humaneval(split="test")
+
+
+def test_llama_cpp_speculation_rows_claim_no_losslessness(tmp_path, monkeypatch):
+    """llama.cpp's plain decode is a plain decoder (lossless: yes); its own speculation (lookup, a draft model) is its
+    code, whose acceptance rule nothing here checks, so its row reads "not checked", never yes. Typical acceptance
+    reads lossy."""
+    from contextlib import ExitStack
+
+    import hydra
+
+    from specdec.evaluation import methods, report
+    from specdec.sampling.engine import REFERENCE
+
+    class Server:  # stands in for llama-server: started by build_methods, never asked for an answer here
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(methods.llama_cpp, "LlamaServer", Server)
+    cfg = _cfg(tmp_path, ["peers=[llama_cpp,llama_cpp_lookup]", f"llama_cpp.gguf={tmp_path}/base.gguf"])
+    with ExitStack() as servers:
+        built = methods.build_methods(cfg, tiny_base(), {}, hydra.utils.instantiate(cfg.sampler), REFERENCE, servers)
+    lossless = {m.name: m.lossless for m in built}
+    assert lossless == {"ar (ours)": True, "llama_cpp": True, "llama_cpp_lookup": None}
+    cells = {name: report.lossless_cell({"lossless": v}) for name, v in lossless.items()}
+    assert cells == {"ar (ours)": "yes", "llama_cpp": "yes", "llama_cpp_lookup": "not checked"}
+    typical = _cfg(tmp_path, ["sampler=typical", "sampler.temperature=1.0"])
+    assert report.lossless_cell({"lossless": hydra.utils.instantiate(typical.sampler).lossless}) == "**no (lossy)**"

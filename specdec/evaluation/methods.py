@@ -160,8 +160,11 @@ def _llama_cpp_method(cfg: DictConfig, base: Base, sampler: SamplerConfig, peer:
         return out
 
     # Its greedy tokens are its own model's: weights in Q4_1 as ours, but activations rounded to 8 bits before every
-    # product (ggml's q8_1 dot products), so they part from float32's where two logits are near.
-    return Method(peer, run, True, peer=True, computes="llama.cpp's own: 8-bit activations")
+    # product (ggml's q8_1 dot products), so they part from float32's where two logits are near. Its speculation
+    # (lookup, a draft model) is its own code: whether it keeps llama.cpp's plain answers is not checked here, so its
+    # row claims no losslessness (None); the identity column still says how many answers match the reference.
+    lossless = True if peer == "llama_cpp" else None
+    return Method(peer, run, lossless, peer=True, computes="llama.cpp's own: 8-bit activations")
 
 
 def _export_gguf(drafters: dict[str, Drafter], out: Path) -> Path | None:

@@ -167,7 +167,7 @@ def render_markdown(report: dict, config_yaml: str) -> str:
               + ("| speedup vs HF generate " if hf else "") + "| greedy-identical |" + "".join(f" {c} |" for c in cat_cols),
               "|---" * (9 + hf + len(cat_cols)) + "|"]
     for r in report["rows"]:
-        cells = [r["method"], "yes" if r["lossless"] else "**no (lossy)**", _f(r["tau"]), _f(r.get("draft_len")),
+        cells = [r["method"], lossless_cell(r), _f(r["tau"]), _f(r.get("draft_len")),
                  _f(r["alpha"]),
                  _f(r["tok_per_s"], 1), _f(r["speedup_vs_ar"]) + "×" + _pm(r.get("speedup_vs_ar_sd")),
                  _f(r.get("speedup_vs_best_ar", r["speedup_vs_ar"])) + "×" + _pm(r.get("speedup_vs_best_ar_sd"))]
@@ -302,6 +302,14 @@ def _draft_desc(s: SamplerConfig) -> str:
         desc += (f"; +lookup rows: n-gram lookup ({s.lookup_min_ngram}-{s.lookup_max_ngram}-grams, up to "
                  f"{s.lookup_tokens} tokens) takes the rounds it matches")
     return desc
+
+
+def lossless_cell(r: dict) -> str:
+    """yes (the acceptance rule keeps the base's distribution), no (typical acceptance), or not checked (a peer's own
+    speculation: its identity column says what was measured)."""
+    if r["lossless"] is None:
+        return "not checked"
+    return "yes" if r["lossless"] else "**no (lossy)**"
 
 
 def identity_cell(r: dict) -> str:

@@ -41,7 +41,7 @@ class Run:
 class Method:
     name: str
     run: Callable[[list[list[int]]], list[Run]]  # a batch of prompts (token ids) -> one Run per prompt
-    lossless: bool
+    lossless: bool | None  # None: a peer's own speculation, whose acceptance rule nothing here checks
     chain_gamma: int | None = None  # set for chain drafters: the Leviathan check applies
     batch: int = 1
     peer: bool = False  # a peer (HF, llama.cpp): takes its turn after ours (run.py: _take_turns)
