@@ -19,7 +19,6 @@ from pathlib import Path
 EXPERIMENTS = Path(__file__).resolve().parent
 PAGES, RESULTS = EXPERIMENTS / "pages", EXPERIMENTS / "results"
 COMMAND = "- **Command** (as the result file records it): "
-SECTIONS = {"4": "4-metrics", "5": "5-measuring-speed-honestly", "7": "7-report-table", "8": "8-the-cost-model"}
 
 
 def parse_result(text: str) -> tuple[str, str, str, str]:
@@ -38,10 +37,7 @@ def page_body(name: str, body: str) -> str:
         target, anchor = m[1].partition("#")[::2]
         path = os.path.relpath(os.path.normpath(RESULTS / name / target), PAGES)
         return f"]({path}{'#' + anchor if anchor else ''})"
-    body = re.sub(r"\]\((?!https?:|#)([^)\s]+)\)", moved, body)
-    # results written before the rules moved into the repo name their sections in the design spec, whose numbering
-    # docs/sampler.md keeps: the page links the repo's own copy
-    return re.sub(r"SPEC\.md §(\d)", lambda m: f"[docs/sampler.md §{m[1]}](../../docs/sampler.md#{SECTIONS[m[1]]})", body)
+    return re.sub(r"\]\((?!https?:|#)([^)\s]+)\)", moved, body)
 
 
 def synced(name: str, page: str, result: str) -> str:

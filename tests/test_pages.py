@@ -17,7 +17,7 @@ RESULT = """# A table
 |---|---|
 | 1 | 1.10 |
 
-α̂ as in SPEC.md §4.
+α̂ as in [docs/sampler.md §4](../../../docs/sampler.md#4-metrics).
 
 ![t](t.png)
 """
@@ -52,7 +52,7 @@ def test_synced_takes_header_and_table_from_the_result_and_keeps_the_prose():
     assert "- **Date**: 2026-12-01" in page
     assert "| 1 | 1.10 |" in page and "| 1 | 0.90 |" not in page
     assert "![t](../results/t/t.png)" in page  # the image link made relative to pages/
-    assert "[docs/sampler.md §4](../../docs/sampler.md#4-metrics)" in page
+    assert "[docs/sampler.md §4](../../docs/sampler.md#4-metrics)" in page  # and a link to docs/
     assert page.endswith("## Reading\n\n- Prose a person wrote stays.\n")
     assert sync_pages.synced("t", page, RESULT) == page  # a synced page stays as it is
 
