@@ -78,7 +78,7 @@ def build(root):
                   "predicted × (calib.): the search's own measurement on its calibration prompts (held-out stdlib "
                   "code continued by the base), the objective it maximised. α, τ, c (draft time per depth / T_1), "
                   "v(γ+1) and × AR: HumanEval, all skip sets against one AR run; τ/(v + γc) predicts the speedup "
-                  "from α per token with the costs measured in that run. The last two columns: among the search's "
+                  "from α per token with the costs measured in the same run. The last two columns: among the search's "
                   "trials, the set of the row's size with the highest calibration α (same size, same c: the set it "
                   "would pick at that ratio), next to the uniform set's α calib."
                   + (f" Fastest: {best['set']}, {best['skipped']} layers skipped, {best['speedup']:.2f}× our AR."
