@@ -39,8 +39,8 @@ def cpu_fields() -> dict[str, str]:
 
 def cpu_model() -> str:
     """The CPU's model name (what `lscpu` calls it) with its family and model numbers, e.g. "AMD EPYC (family 25,
-    model 1)": virtual machines often report only "AMD EPYC" for CPUs generations apart (seen here: family 25 model
-    1 and model 17, whose kernel choices differ). The architecture when /proc/cpuinfo is missing."""
+    model 1)": virtual machines often report only "AMD EPYC" for CPUs generations apart (family 25 model 1 and
+    model 17, whose kernel choices differ). The architecture when /proc/cpuinfo is missing."""
     fields = cpu_fields()
     if "model name" in fields:
         ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model") if k in fields]

@@ -2,8 +2,8 @@
 
 A decode step multiplies every weight of the base by a handful of rows (1 for plain decoding, γ+1 or a tree's
 nodes for a verify). PyTorch's default kernel for that shape (MKL's sgemm, x·Wᵀ) is fast on some CPUs and
-2-4x slower than the alternatives on others (seen here on an AMD EPYC: lm_head at 5 rows, 19 ms vs 6 ms), and
-which alternative wins depends on the CPU, the weight's shape and the row count. So nothing is assumed:
+several times slower than the alternatives on others, and which alternative wins depends on the CPU, the weight's
+shape and the row count. So nothing is assumed:
 on first use, every candidate is timed on the model's OWN weights (all of them of one shape, so the timing
 streams memory as a real step does) for each row bucket, the fastest is kept per (shape, rows) and the table
 is cached per machine (CPU model, threads, torch version) under ~/.cache/specdec/kernels.json. Machines that
@@ -51,8 +51,7 @@ from specdec.engines.measure import machine_key, per_count, store
 
 Kernel = Callable[[torch.Tensor, Any], torch.Tensor]  # (x [M, I], operand: the weight or its packed copy) -> [M, O]
 # Row buckets measured; more rows: `linear`. Past 64 they are a prompt's prefill (~100-300 tokens of a HumanEval chat
-# prompt), which ran PyTorch's default product for want of a bucket: 40 % of a 128-token answer's time in our AR loop
-# on a 2-core Zen 5 EPYC, where the compact and oneDNN products at 150 rows take ~0.4x MKL's time.
+# prompt): a large share of a short answer's time, and a product at 100-300 rows has its own fastest kernel too.
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 LARGE_ROWS, LARGE_WEIGHTS = 64, 4  # past LARGE_ROWS products are compute-bound: LARGE_WEIGHTS weights a timing suffice
 # A stored choice is re-checked once per process at these row counts (an AR step, a γ=1 and a γ=4 verify): one pass of
@@ -60,10 +59,11 @@ LARGE_ROWS, LARGE_WEIGHTS = 64, 4  # past LARGE_ROWS products are compute-bound:
 # machine was busy (a stray job can inflate some candidates' times and not others') and the shape is measured again.
 RECHECK_ROWS = (1, 2, 5)
 RECHECK_FACTOR = 1.5
-# Per-shape timings miss what a forward's MIX of kernels costs (seen here: at 2 rows, the per-shape choices took 19.8 ms
-# over SmolLM2's products in call order, one kernel for all 17.3 ms). So for a model's products, at these row counts,
-# one pass in call order with the per-shape choices is timed against one with each single kernel for every shape; a
-# single kernel that wins by WHOLE_MARGIN is used for that row count (KernelTable.arbitrate).
+# Per-shape timings miss what a forward's MIX of kernels costs (kernels run back to back share the caches, the
+# prefetcher and the threads' wake-ups, so the per-shape winners together can lose to one kernel for every shape). So
+# for a model's products, at these row counts, one pass in call order with the per-shape choices is timed against one
+# with each single kernel for every shape; a single kernel that wins by WHOLE_MARGIN is used for that row count
+# (KernelTable.arbitrate).
 WHOLE_ROWS = (1, 2, 3, 4, 5, 6, 8)
 # a shape whose weights hold fewer than STREAM_BYTES is timed from memory (evicted from the caches before each pass) if
 # one is at least COLD_BYTES (see _time; a smaller weight is timed as it is: tests' tiny models)
@@ -294,9 +294,8 @@ class KernelTable:
         STREAM_BYTES (a drafter's, which has one of each) fits a large last-level cache, where in a decode the base's
         whole step has gone through the caches between two of its products: each candidate's operands are evicted
         from the caches (native.evict) before its pass, if one is at least COLD_BYTES. (Timed in the caches, the
-        float32 candidates, which share one operand and run back to back, warmed it for each other: for a prophet's
-        8192x576 head at one row, mv read 0.36 ms against 0.48 for the bfloat16 packed copy, which reads half the
-        bytes; from memory 0.71 against 0.44 ms, 2-core Xeon.)"""
+        float32 candidates, which share one operand and run back to back, would warm it for each other and beat a
+        copy that streams half the bytes from memory, the opposite of what a decode sees.)"""
         ws = weights[: 32 if rows <= LARGE_ROWS else LARGE_WEIGHTS]
         size = sum(w.numel() * w.element_size() for w in ws)
         cold = size < STREAM_BYTES and size >= len(ws) * COLD_BYTES and native.available()
@@ -456,8 +455,8 @@ def norm_form(norm: nn.Module, exact: bool = True) -> Callable[[torch.Tensor], t
     rather than its ~8: the first of them that gives bitwise the norm's own output on this device and dtype (with
     `exact` False, a drafter's norm, which only changes what is drafted: the native call also where it is within
     float32 rounding of it); otherwise the norm itself. In a decode every op comes after the base's forward evicted
-    its code and data from the caches: F.rms_norm (itself ~10 small ops on the CPU) then took 112 µs, the native call
-    35 (2-core Xeon, family 6 model 167, a [1, 576] row after a verify; 15-20 µs each back to back)."""
+    its code and data from the caches, where F.rms_norm (itself ~10 small ops on the CPU) costs several times one
+    native call."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     fused = _fused(norm)
     if not (isinstance(w, torch.Tensor) and w.dim() == 1 and isinstance(eps, float)):
@@ -495,8 +494,7 @@ def _norm_form(norm: nn.Module, exact: bool = True) -> Callable[[torch.Tensor], 
 def fuse_norms(module: nn.Module, exact: bool = True) -> list[nn.Module]:
     """Every Llama-style RMSNorm under `module` (a drafter's, the base's final one) that one native call or F.rms_norm
     reproduces (bitwise; within float32 rounding where not `exact`: a drafter whose products may round) gets that as
-    its forward, for a decode: its ~8 ops took 23 µs a call on the 2-core Xeon, F.rms_norm 15 (a drafter runs one or
-    two per depth). Returns the norms patched (the caller deletes their `forward` after); one already patched is left
+    its forward, for a decode: fewer ops than its own ~8 (a drafter runs one or two per depth). Returns the norms patched (the caller deletes their `forward` after); one already patched is left
     to whoever did."""
     patched = []
     for m in module.modules():

@@ -3,9 +3,9 @@ candidate for the kernel table (kernels.py), used where measurement on this mach
 a whole lean decoder layer over that product (layer.c, used through native_layer.py where measurement picks it), and a
 drafter's whole greedy chain over both (chain.c: the prophet's and Hydra's, through native_chain.py).
 
-(A native RMSNorm and a native attention called one op at a time were tried first: the norm saved ~9 µs a call, about
-0.5 ms of a 37 ms step, and the attention lost to SDPA 2-3x with scalar expf. What pays is the whole layer in one
-call, with a vectorised exp: the ~15 ops' dispatch per layer is what a step lost.)
+Why a whole layer and not single ops: at one token a decoder layer is ~15 small PyTorch ops whose dispatch costs
+more than their arithmetic, so replacing one op (a norm, an attention) saves little; one call for the layer, with a
+vectorised exp, removes the dispatch.
 
 No compiler, a flag it rejects, a library that does not load: `available()` is then False and the kernel table
 simply has one candidate fewer (kernels.py measures what exists; PyTorch's own product is always there). The build takes
@@ -123,16 +123,16 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     products = ("smallm_gemm", "smallm_gemm_bf16", "smallm_packed", "smallm_packed_bf16", "smallm_packed_q4",
                 "smallm_packed_q8", "smallm_q4a8")
-    for fn in (getattr(lib, name) for name in products if hasattr(lib, name)):  # (an older revision lacks some)
+    for fn in (getattr(lib, name) for name in products if hasattr(lib, name)):  # (another revision's may lack some)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.smallm_pack_rows.restype = ctypes.c_int
-    if hasattr(lib, "smallm_calibrate"):  # (an older revision's library lacks it) which blocks serve > 6 rows
+    if hasattr(lib, "smallm_calibrate"):  # which blocks serve > 6 rows (another revision's library may lack it)
         for name in ("smallm_calibrate", "smallm_reassociated_rows", "smallm_set_reassociated_rows"):
             getattr(lib, name).restype = ctypes.c_int
         lib.smallm_set_reassociated_rows.argtypes = [ctypes.c_int]
         lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
-    if hasattr(lib, "smallm_set_prefetch"):  # (an older revision's library lacks these)
+    if hasattr(lib, "smallm_set_prefetch"):  # (another revision's library may lack these)
         lib.smallm_set_prefetch.restype = lib.smallm_prefetch.restype = lib.smallm_block_rows.restype = ctypes.c_int
         lib.smallm_set_prefetch.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.smallm_prefetch.argtypes = [ctypes.c_int]
@@ -140,13 +140,13 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     if hasattr(lib, "smallm_fma_peak"):
         lib.smallm_fma_peak.restype = ctypes.c_double
         lib.smallm_fma_peak.argtypes = [ctypes.c_int]
-    if hasattr(lib, "smallm_q4a8_simd"):  # (an older revision's library lacks it)
+    if hasattr(lib, "smallm_q4a8_simd"):  # (another revision's library may lack it)
         lib.smallm_q4a8_simd.restype = ctypes.c_int
         lib.smallm_q4a8_simd.argtypes = []
-    if hasattr(lib, "smallm_evict"):  # (an older revision's library lacks it)
+    if hasattr(lib, "smallm_evict"):  # (another revision's library may lack it)
         lib.smallm_evict.restype = None
         lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
-    layer = getattr(lib, "smallm_layer", None)  # absent from an older revision's library (ab_native.py)
+    layer = getattr(lib, "smallm_layer", None)  # (ab_native.py opens libraries of revisions without layer.c)
     if layer is not None:
         layer.restype = ctypes.c_int
         layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -157,14 +157,14 @@ def open_library(path: Path | str) -> ctypes.CDLL:
         lib.smallm_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        normed = getattr(lib, "smallm_layers_normed", None)  # (an older revision's library lacks these two)
+        normed = getattr(lib, "smallm_layers_normed", None)  # (another revision's library may lack these two)
         if normed is not None:
             normed.restype = ctypes.c_int
             normed.argtypes = lib.smallm_layers.argtypes + [ctypes.c_void_p, ctypes.c_float]
             lib.smallm_rms_norm.restype = None
             lib.smallm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                             ctypes.c_int, ctypes.c_float]
-    chain = getattr(lib, "smallm_feature_chain", None)  # (an older revision's library lacks it)
+    chain = getattr(lib, "smallm_feature_chain", None)  # (another revision's library may lack it)
     if chain is not None:
         chain.restype = ctypes.c_int
         chain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -303,10 +303,9 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     huge pages (SmolLM2's are 0.25-1.3 MB each).
 
     The products stream their weights from memory once a step, and with 4 KB pages every 4 KB costs a TLB miss and
-    stops the hardware prefetcher (it does not cross a page). SmolLM2's Q8_0 lm_head (32 MB) at one row on the 2-core
-    Xeon (family 6 model 167): 1.98 ms from PyTorch's memory, 1.63 ms from huge pages (16 vs 19.5 GB/s; THP there is
-    "madvise": nothing gets huge pages unless it asks). A region is unmapped once no copy in it is left (the one being
-    carved stays mapped)."""
+    stops the hardware prefetcher (it does not cross a page). Where transparent huge pages are "madvise", nothing gets
+    them unless it asks, hence the advice here. A region is unmapped once no copy in it is left (the one being carved
+    stays mapped)."""
     n = t.numel() * t.element_size()
     if n < HUGE_FROM or t.device.type != "cpu" or os.environ.get("SPECDEC_HUGE_PAGES", "1") == "0":
         return t

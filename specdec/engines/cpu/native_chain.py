@@ -1,10 +1,11 @@
-"""A feature drafter's greedy chain (the prophet's, EAGLE's) as one native call (chain.c), and its `observe` as
-another, for one row on the CPU; and Hydra's chain of heads as one call (`head_chain`, at the end).
+"""The prophet's greedy chain as one native call (chain.c), and its `observe` as another, for one row on the CPU;
+and Hydra's chain of heads as one call (`head_chain`, at the end). No other family calls them (EAGLE-3 drafts
+through PyTorch).
 
 Drafted depth by depth from Python, each depth of the prophet is ~40 PyTorch ops and a layer stack's argument handling
-around its three products: on a 2-core Zen 5 EPYC, 315 µs a depth (c ≈ 0.1 of an AR step) of which the native layer
-call is 58 and the draft head ~60; its `observe` (fc over the newly committed entries, then its layers) ~600 µs a
-round, half of it outside the layers' call. chain.c runs each in one call over the same weight copies: the decoder
+around its three small products, and its `observe` (fc over the newly committed entries, then its layers) spends much
+of its time outside the layers' call: at one row that dispatch, not the arithmetic, is most of a depth's cost.
+chain.c runs each in one call over the same weight copies: the decoder
 layers' native forms (native_layer.py, attached where measurement picked them for that many rows) and, for fc and the
 head, the copy each one's measured kernel multiplies from at that many rows where chain.c can read it (a compact or
 packed copy), else its float32 weight packed. So they compute what the PyTorch path computes, the sums in another order.
@@ -251,7 +252,7 @@ class HeadChain:
 
     def current(self, embed: torch.Tensor, vocab: torch.Tensor | None) -> bool:
         """Whether it was made in this decode, for these tensors (one lookup: a full check of every weight's version
-        took ~50 µs a round, ~10 % of it, on a 2-core Zen 5 after a verify)."""
+        would cost a noticeable share of a round)."""
         lin, plan = self.witness
         return lin.__dict__.get("forward") is plan and embed is self.embed and vocab is self.vocab
 

@@ -32,8 +32,7 @@ from specdec.sampling.rotary import lean_rope
 QUANT_LEVELS = {"q8": ("native_q8",), "q4": ("native_q8", "native_q4"),
                 "q4a8": ("native_q8", "native_q4", "native_q4a8")}
 # row counts measured; more rows run the lean layer. Past 16 they are a prompt's prefill (a HumanEval chat prompt is
-# ~120-200 tokens): through the native layers where measured faster, the prefill of the base took 669 µs a prompt
-# token against 724 with the lean layers (a 2-core Zen 5 EPYC, both in one process, alternating)
+# ~120-200 tokens), which also runs through the native layers where they measure faster
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64, 128, 192, 256)
 PROMPT = 128  # the cached window the measurement attends over (a short prompt, as make bench's)
 # The compact kernels' prefetch distances tried per block height (smallm.c; the first is its compiled default), over a

@@ -6,8 +6,7 @@ op costs microseconds of dispatch, that is a large share of a 135M model's step.
 (Llama, Mistral, Qwen2, ... and every drafter block built from such a config) `LeanLayer` runs the same math from
 the layer's own weights and norms: one product for q|k|v and one for gate|up, each RMSNorm as one fused op, q and k
 rotated together with a rotary table made once per forward for all layers, SDPA with grouped KV heads, the same
-cache `update`. (make bench, T_1 of SmolLM2: 30.3 ms through the HF layers, 26.9 ms with the fused products, and
-23.5 vs 27.8 ms with fused norms and rotary against the layers' own in one run.)
+cache `update`. (make bench's `lean=false` row measures what this saves.)
 
 The fused products cost no memory: the layer's q/k/v (gate/up) weights are re-pointed as row blocks of the one
 fused tensor, so the HF modules keep working on the very same numbers. A layer is taken only when its shape is
