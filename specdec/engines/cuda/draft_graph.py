@@ -1,12 +1,11 @@
 """A round's whole greedy draft of a static tree (chains included) as one CUDA graph.
 
 With the base's forwards replayed from graphs (graphs.py), a drafter's depth on a GPU is still ~50 kernels launched
-one by one from Python around its one replayed layer stack: on an H200 the prophet
-recipe's depth took 0.95 ms (c = 0.47 of an AR step), and at τ 2.53 it ran at 0.94× our AR loop. At T = 0 a static
-tree's draft is the same device ops every round; what changes is the root tokens, the committed lengths and what the
-drafter's `observe` left in its state. So the draft is recorded once, with those in static buffers, and each later
-round copies them in and replays it: one launch instead of hundreds (on that H200: a round of γ = 4 drafted in 2.52 ms
-against 5.30, and the prophet at 1.20× our AR loop; experiments/results/cuda_draft_graph/).
+one by one from Python around its one replayed layer stack, so a depth costs a large share of an AR step whatever
+its arithmetic. At T = 0 a static tree's draft is the same device ops every round; what changes is the root tokens,
+the committed lengths and what the drafter's `observe` left in its state. So the draft is recorded once, with those in
+static buffers, and each later round copies them in and replays it: one launch instead of hundreds (its measurement:
+experiments/pages/cuda.md).
 
 What is recorded is `trees.draft_static` itself, after WARMUP eager runs on a side stream, with:
 - the context's committed lengths read from a static buffer [B] (every layout and graphed forward reads them);

@@ -1,31 +1,28 @@
 """A lean decoder layer's products with the small ops around them, as one Triton kernel each, for a GPU's recorded
 forward over up to 16 rows.
 
-A 135M base on a GPU is launch-bound: on an H200 a recorded forward of SmolLM2 at one token spent 1,160 µs of kernels
-(experiments/results/cuda_layer_kernels, verify_forms.log), of which each layer's two RMSNorm kernels (159 µs in all), two
-residual adds (71), the SiLU (49) and the multiply by up (36) do a few thousand floats of work each, and every kernel
-leaves a gap of ~1 µs on the stream besides. Here they ride along with the products next to them:
+A 135M base on a GPU is launch-bound: each layer's two RMSNorm kernels, two residual adds, the SiLU and the multiply
+by up do a few thousand floats of work each yet cost a kernel each, and every kernel leaves a gap on the stream
+besides. Here they ride along with the products next to them:
 
 - unit "front": RMSNorm(x)·W_qkvᵀ, the input norm as the product's prologue (each program sums its rows' squares
   itself: a row is 576 floats, read from L2 in one load where the rows fit NORM_TILE);
 - unit "gated": silu(x'·W_gateᵀ)·(x'·W_upᵀ), x' = RMSNorm(x): the post-attention norm before, the activation and the
   multiply after, each program reading the gate rows and the up rows of its outputs;
 - units "o" and "down": r + x·Wᵀ, the residual add after the o_proj and down_proj products;
-- unit "front_rope": front with cuda_layer.rope_write as its epilogue (not yet measured on a
-  GPU): each program computes pairs of outputs (j, j + d/2) of a head, the rotary's partners, rotates q and k and
-  stores q, k and v where rope_write stores them (k and v at this forward's slots of the SlotCache's buffers).
+- unit "front_rope": front with cuda_layer.rope_write as its epilogue: each program computes pairs of outputs
+  (j, j + d/2) of a head, the rotary's partners, rotates q and k and stores q, k and v where rope_write stores them
+  (k and v at this forward's slots of the SlotCache's buffers).
 
-So a layer runs 7 kernels (front, the rotary + K/V write, the attention and its join, o, gated, down) where it ran
-13, and 5 where front_rope and cuda_layer's self-joining attention win.
+So a layer runs 7 kernels (front, the rotary + K/V write, the attention and its join, o, gated, down) where unfused
+it runs 13, and 5 where front_rope and cuda_layer's self-joining attention win.
 The products are cuda_kernels' matrix-vector kind ("rows": every x row against each block of W's rows, float32 products
 summed in another order than cuBLAS's) without split-K (an epilogue needs the whole sum). cuda_kernels' table times each
 unit per layer geometry and row count, unfused (the norm, the product measured fastest for that shape, the ops after)
 against every configuration below, one pass over all the layers of that geometry recorded as a CUDA graph, and keeps a
 fused form only where it reproduces the unfused one (to the table's float32 tolerance) and is faster. Like the other
-Triton kernels they run only inside graph recordings (cuda_layer.launchable). On an H200
-(experiments/results/cuda_fused_units) our graphed AR loop ran 1.21× the same loop unfused, T_1 1.17 ms against 1.37; with
-the norm's rows loaded at once (another H200, results/cuda_norm_prologue) 1.31×, T_1 1.21 ms
-against 1.40."""
+Triton kernels they run only inside graph recordings (cuda_layer.launchable). Measurements (`cuda_kernels=unfused`
+against the default): experiments/pages/cuda.md."""
 
 from __future__ import annotations
 
@@ -40,15 +37,13 @@ from specdec.engines.eager.lean import rms_form
 MAX_ROWS = 16  # rows per call (one register block of x rows per program)
 UNITS = ("front", "front_rope", "gated", "o", "down")  # (the order the table measures them in: front before front_rope)
 # name -> (outputs per program, inputs per step, warps, rows per program: 0 all of the call's). A program covers
-# BLOCK_O outputs of its rows: 576-1536 outputs make 72-1536 programs for an H200's 132 SMs (times the row groups).
+# BLOCK_O outputs of its rows: 576-1536 outputs make 72-1536 programs (times the row groups), for a GPU's ~100+ SMs.
 # Each step's products go into a [rows, outputs, inputs] register block, summed once at the end (cuda_kernels' "rows"
-# kind), so the block grows with the padded row count: at 9-16 rows the gated unit's two blocks of o4_k128 cost ~3x
-# its one-row call on an H200, where o2_k64_w4 costs 15.4-15.9 µs against its 5.7, and at 5 rows (padded to 8) every
-# unit costs 1.6-2.1x its one-row call (experiments/fused_units.py, results/fused_units). Two answers: smaller
-# blocks (o1_k128_w4, o2_k128_w4, o2_k64_w4; o1_k128_w4 is also the fastest gated, o and down at one row there), and
-# row groups ("_r2", "_r4": a program per block of outputs and group of rows, the weight read once from memory and
-# again from the L2 for each further group; not yet measured on a GPU). (A tl.dot form, rows padded to a 16-row tile,
-# and one summing every step, "each", were offered once and never chosen for SmolLM2 on an H200: not offered.)
+# kind), so the block grows with the padded row count, and a block sized for one row costs several times its one-row
+# call at 5-16 rows (experiments/fused_units.py times each configuration per row count). Two answers: smaller blocks
+# (o1_k128_w4, o2_k128_w4, o2_k64_w4), and row groups ("_r2", "_r4": a program per block of outputs and group of
+# rows, the weight read once from memory and again from the L2 for each further group). (A tl.dot form, rows padded
+# to a 16-row tile, and one summing every step are not offered: they did not win for SmolLM2 when measured.)
 CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "fused_o2_k256": (2, 256, 2, 0),
     "fused_o4_k128": (4, 128, 2, 0),

@@ -1,9 +1,9 @@
 """CUDA graphs for the decode's forwards of a few tokens: the base's decode steps and verifies, and drafters' layers.
 
 On a GPU a 135M base is launch-bound: one forward over a few tokens is ~15 kernels per layer, 450 for SmolLM2's 30
-layers, each launched from Python for microseconds of work, while streaming its weights once takes ~0.1 ms on an
-H100 (on an H200, eager: T_1 11.7 ms, of which the products 1.7 ms). A CUDA graph records those
-launches once and replays them in one call. A graph replays fixed addresses and shapes, so what it records is the
+layers, each launched from Python for microseconds of work, while streaming its weights once takes a fraction of a
+millisecond: an eager forward is mostly launches. A CUDA graph records those launches once and replays them in one
+call. A graph replays fixed addresses and shapes, so what it records is the
 static form of `SamplingContext.base_forward` / `run_layers`:
 
 - a store's K/V live in a pool's buffers of `max_len` slots (the context's store is pointed at them), written at slots

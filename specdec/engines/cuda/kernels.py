@@ -1,15 +1,14 @@
 """CUDA products and attention for decoding, chosen by measurement on the GPU that runs them.
 
-A verify multiplies every weight by a few rows. On an H200, cuBLAS serves one row with a matrix-vector kernel and two
-or more with float32 GEMM kernels made for large tiles: the 121 products of a SmolLM2 forward took 672 µs of kernels at
-one row and 1,311 µs at five (experiments/results/profile_verify/h200_before), most of the reason a verify of 5 tokens
-cost 1.44 decode steps. `small_m_linear` runs Triton kernels for up to 16 rows, of two kinds (CONFIGS): each program
-reads a block of W's rows once for all the x rows (x·Wᵀ, float32 products and sums, the order of the sum its own),
-either through tl.dot on a 16-row tile or, a matrix-vector kernel over the call's own rows, as elementwise products
-summed once at the end; optionally over a slice of the inputs (split-K, the slices summed by one more kernel, so the result
-does not depend on timing). And SDPA with an additive mask runs the memory-efficient attention kernel; for a few
-queries the same formula as two matmuls and a softmax (`math_attention`) was faster there (v(5) 1.35 against 1.44 with
-everything else the same).
+A verify multiplies every weight by a few rows. cuBLAS serves one row with a matrix-vector kernel and two or more with
+float32 GEMM kernels made for large tiles, which at a few rows take far longer than the one-row kernel: that is most of
+why a verify of a few tokens costs well over one decode step. `small_m_linear` runs Triton kernels for up to 16 rows, of
+two kinds (CONFIGS): each program reads a block of W's rows once for all the x rows (x·Wᵀ, float32 products and sums,
+the order of the sum its own), either through tl.dot on a 16-row tile or, a matrix-vector kernel over the call's own
+rows, as elementwise products summed once at the end; optionally over a slice of the inputs (split-K, the slices summed
+by one more kernel, so the result does not depend on timing). And SDPA with an additive mask runs the memory-efficient
+attention kernel; for a few queries the same formula as two matmuls and a softmax (`math_attention`) can be faster, so
+it is a candidate too.
 
 Nothing is assumed: on first use on a GPU, each weight shape's products are timed per row count, cuBLAS (F.linear)
 against every Triton configuration, one pass over the model's own weights of that shape recorded as a CUDA graph and
@@ -20,17 +19,10 @@ residual add after it, one kernel) against the same ops unfused. The fastest is 
 torch and Triton versions) next to the CPU table. Where Triton is missing, a configuration fails to build or gives
 another product (checked against F.linear first), F.linear and SDPA stay: the fallback is PyTorch's own.
 
-On an H200 (experiments/results/cuda_kernels) cuBLAS kept SmolLM2's large products against the
-tl.dot kernel, which won o_proj (576x576); matmul + softmax won the attention at every query count: T_1 2.11 ms against
-2.27, v(5) 1.37 against 1.42, in one run. With the matrix-vector kind
-(experiments/results/cuda_rows_kernel) Triton took most products above one row, and the lm_head and gate|up at one row:
-T_1 2.16 ms against 2.22 for cuBLAS and SDPA throughout, v(5) 1.31 against 1.43, v(9) 1.47 against 1.54.
-
 The measured kernels run only inside CUDA graph recordings, where they were timed. Launched from Python a Triton kernel
-costs far more than cuBLAS's launch: in that run, before this rule, the lm_head after each recorded forward
-(Triton at one row) held our AR loop at 244 tok/s against 260 with PyTorch's kernels, and a dynamic tree, drafted op by
-op, fell to 0.52x our AR loop from 0.77x. So a product outside a graph stays cuBLAS's (tested on the H200; its speed
-not yet measured)."""
+costs far more than cuBLAS's launch, enough to make a product that wins inside a graph lose outside one (an lm_head
+after a recorded forward, a dynamic tree drafted op by op). So a product outside a graph stays cuBLAS's. Measurements
+of each choice: experiments/pages/cuda.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """Triton kernels for the small ops of a lean decoder layer's forward over a few tokens on a GPU.
 
-There a 135M base is launch-bound: a kernel costs ~2-5 µs whatever its size, and the products are only half a
-forward's kernels. An H200's recorded verify forward of SmolLM2 (experiments/results/cuda_rows_kernel, n = 1 / 5) spent,
-per layer, ~20 µs on the attention as PyTorch runs it (two batched products, a scale, a mask add, a softmax, and for
-n > 1 a copy of its output to [B, n, H]) and ~8 / 12 µs on the rotary and the K/V write (two multiplies, a roll, an
-add, two scatters, slower at n > 1 where their inputs are strided). Here each is one kernel:
+There a 135M base is launch-bound: a kernel costs microseconds whatever its size, and the products are only half a
+forward's kernels. Per layer, the attention as PyTorch runs it is several kernels (two batched products, a scale, a
+mask add, a softmax, and for n > 1 a copy of its output to [B, n, H]), and so are the rotary and the K/V write (two
+multiplies, a roll, an add, two scatters, slower at n > 1 where their inputs are strided). Here each is one kernel:
 
 - `attention`: softmax(q·kᵀ·scale + mask)·v for up to 64 queries (a tree's verify), the keys in blocks with a running
   max (the online softmax): one program per (row, query head) walking all the keys, or split, one per block of keys
-  and a second kernel joining their sums (flash-decoding; on the H200 the split form won at every query count, the
-  other lost to matmul + softmax: a few programs walking 512 keys in sequence), or split and joined by whichever
-  block's program finishes last (no second kernel). It writes [B, n, heads, d] and returns the
+  and a second kernel joining their sums (flash-decoding: at a few queries one program per head would walk hundreds
+  of keys in sequence on a few SMs), or split and joined by whichever block's program finishes last (no second
+  kernel). It writes [B, n, heads, d] and returns the
   [B, heads, n, d] view of it, so the o_proj input that LeanLayer makes from it (transpose, reshape) is a view, not a
   copy. Float32 products (no TF32): the attention to float32 rounding, like the math form.
 - `rope_write`: q and k rotated as LeanLayer rotates them (x·cos + roll(x, d/2)·sin', separately rounded: bitwise the
@@ -19,8 +18,8 @@ add, two scatters, slower at n > 1 where their inputs are strided). Here each is
 cuda_kernels' table offers both as candidates beside the PyTorch forms, per layer geometry and query count, and keeps
 one only where it reproduces the PyTorch form (the rotary and the write bitwise, the attention within its tolerance)
 and measures faster in a recorded graph. Like the Triton products they run only inside graph recordings (and the
-warm-up runs before one): launched from Python one by one, a Triton kernel's launch costs more than it saves. (An
-H200: T_1 2.07 -> 1.52 ms, v(5) 1.32 -> 1.17; experiments/results/cuda_layer_kernels.)"""
+warm-up runs before one): launched from Python one by one, a Triton kernel's launch costs more than it saves.
+Measurements: experiments/pages/cuda.md."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ MAX_QUERIES = 64  # queries per program: one block of 16, 32 or 64 rows (tl.dot'
 # - "walk": one program per (row, query head) walks all the keys;
 # - "split": one program per block of keys, and a second kernel joining their partial sums (flash-decoding);
 # - "last": split, and the block's program that finishes last joins them (a counter per head, counted atomically):
-#   no second kernel, whose launch and gap on the stream cost an H200 ~4.5 µs a layer (a profile of
-#   one step: the join 90 µs of a 1.2 ms step at one token) while its work is a few hundred floats.
+#   no second kernel, whose launch and gap on the stream cost more than its work of a few hundred floats.
 FORMS = {"triton_w64": (64, "walk"), "triton_w128": (128, "walk"), "triton_split64": (64, "split"),
          "triton_split128": (128, "split"), "triton_last64": (64, "last"), "triton_last128": (128, "last")}
 
@@ -180,8 +178,8 @@ _WARMING: list[bool] = []  # inside `warming()`
 @contextmanager
 def warming() -> Iterator[None]:
     """The eager runs before a graph recording: they launch the Triton kernels the recording will, so each is compiled
-    and its module loaded there, not while the stream captures (where loading a module invalidates the capture: seen
-    on an H200 in a process whose kernel table came from the disk cache)."""
+    and its module loaded there, not while the stream captures (where loading a module invalidates the capture, as
+    in a process whose kernel table came from the disk cache and that has compiled nothing yet)."""
     _WARMING.append(True)
     try:
         yield
