@@ -1,15 +1,13 @@
 """trainer.precision=auto: bf16 autocast only where it is measured faster, fp32 otherwise and when bf16 fails."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import compose_train
 from specdec import precision
 from specdec.precision import choose_precision
-from specdec.training import train
+from test_train import trained_and_untrained
 
 
 def _timings(monkeypatch, fp32: float, bf16: float | Exception, probe_bf16: float | None = None) -> list:
@@ -62,18 +60,22 @@ def test_cuda_by_capability(monkeypatch):
         assert choose_precision("cuda", 64, 128)[0] == want
 
 
-def test_real_timing_returns_a_lightning_precision():
-    assert choose_precision("cpu", 32, 64, repeats=1)[0] in ("bf16-mixed", "32-true")
+@pytest.mark.parametrize("min_gain, want", [(0.0, "bf16-mixed"), (float("inf"), "32-true")])
+def test_real_timing_decides_by_the_measured_gain(monkeypatch, min_gain, want):
+    # the real products, timed; the thresholds make the verdict known whatever this CPU measures
+    monkeypatch.setattr(precision, "PROBE_LOSS", float("inf"))  # the probe never decides alone
+    monkeypatch.setattr(precision, "MIN_GAIN", min_gain)
+    chosen, why = choose_precision("cpu", 32, 64, repeats=1)
+    assert chosen == want and f"([{precision.ROWS}, 32] x [32, 64])" in why
 
 
 @pytest.mark.parametrize("bf16", [0.5, 2.0])
 def test_train_resolves_auto(monkeypatch, corpus, tmp_path, bf16):
     _timings(monkeypatch, 1.0, bf16)
-    cfg = compose_train(["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2",
-                         f"data.source.path={corpus}/*.txt", "drafter=medusa", "drafter.num_heads=2",
-                         "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.precision=auto"], tmp_path)
-    metrics = train(cfg)
-    assert metrics["val/expected_tau"] >= 1.0
-    result = json.loads((Path(cfg.paths.output_dir) / "result.json").read_text())
+    overrides = ["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2",
+                 f"data.source.path={corpus}/*.txt", "drafter=medusa", "drafter.num_heads=2", "trainer.precision=auto"]
+    trained, untrained = trained_and_untrained(overrides, tmp_path, lr=1e-2)
+    assert trained["val/expected_tau"] > untrained["val/expected_tau"] + 0.005  # it learns in the precision chosen
+    result = json.loads((tmp_path / "trained" / "run" / "result.json").read_text())
     assert result["precision"] == ("bf16-mixed" if bf16 == 0.5 else "32-true")
     assert result["config"]["trainer"]["precision"] == "auto"  # the config as given: a rerun compares equal

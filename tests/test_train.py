@@ -40,17 +40,19 @@ def test_fast_dev_run(drafter, corpus, tmp_path):
     assert "train/loss" in metrics or drafter in CALIBRATED
     assert all(v == pytest.approx(v) for v in metrics.values())  # finite, not NaN
     if drafter in CALIBRATED:  # the search measured every skip set of the 2-layer base through the sampler
-        trials = {tuple(t["skip_layers"]): t for t in json.loads((tmp_path / "run" / "calibration.json").read_text())["trials"]}
-        assert trials[()]["alpha"] == 1.0 and trials[()]["measured_tau"] == 5.0  # skipping none is the base: all accepted
+        record = json.loads((tmp_path / "run" / "calibration.json").read_text())
+        trials = {tuple(t["skip_layers"]): t for t in record["trials"]}
+        assert trials[()]["alpha"] == 1.0 and trials[()]["measured_tau"] == 5.0  # skipping none is the base itself
         assert trials[(0, 1)]["alpha"] < 0.5  # skipping both (embeddings -> norm -> head) is not
 
 
 @pytest.mark.parametrize("drafter", sorted(set(DRAFTERS) - CALIBRATED))
 def test_training_raises_expected_tau(drafter, corpus, tmp_path):
-    """A drafter whose training does not reach its drafts (no gradient, a wrong target offset, a loss of the
-    wrong sign) keeps or lowers the untrained drafter's predicted τ on the same validation blocks."""
-    trained, untrained = trained_and_untrained([*TINY_DATA, f"data.source.path={corpus}/*.txt", f"drafter={drafter}",
-                                                *TINY_DRAFTER.get(drafter, []), *FROM_SCRATCH.get(drafter, [])], tmp_path)
+    """A drafter whose training does not reach its drafts (no gradient, a loss of the wrong sign) keeps or lowers the
+    untrained drafter's predicted τ on the same validation blocks."""
+    overrides = [*TINY_DATA, f"data.source.path={corpus}/*.txt", f"drafter={drafter}", *TINY_DRAFTER.get(drafter, []),
+                 *FROM_SCRATCH.get(drafter, [])]
+    trained, untrained = trained_and_untrained(overrides, tmp_path)
     assert trained["val/expected_tau"] > untrained["val/expected_tau"] + 0.005
 
 

@@ -153,7 +153,10 @@ def test_train_py_trains_it(corpus, tmp_path):
                          "debug=fdr"],
                         tmp_path)
     metrics = train(cfg)
-    assert metrics["val/expected_tau"] >= 1.0 and metrics["val/draft_top1"] >= 0.0
+    # one entry drafted γ = 4 times in a chain: τ = Σ_{i≤4} α^i, not the heads' 1 + α
+    alpha, top1 = metrics["val/draft_accept"], metrics["val/draft_top1"]
+    assert 0 < alpha < 1 and metrics["val/expected_tau"] == pytest.approx(sum(alpha**i for i in range(5)))
+    assert metrics["val/expected_tau_greedy"] == pytest.approx(sum(top1**i for i in range(5)))
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_base())
     assert isinstance(drafter, DraftModel) and len(drafter.lm.model.layers) == 1
 
@@ -190,7 +193,10 @@ def test_evaluate_with_hf_assisted_beside_the_same_draft_model(tmp_path, hf_dir)
     rows = {r["method"]: r for r in report["rows"]}
     assert list(rows) == ["ar (ours)", "draftmodel", f"draft_model:{hf_dir.name}", "hf_assisted"]
     assert all(r["greedy_identical"] for r in rows.values())  # T = 0: every lossless method is plain greedy
-    assert rows["draftmodel"]["draft_len"] == 3.0 and rows["draftmodel"]["tau"] >= 1.0
+    # the base's own first layer, norm and head draft most of its tokens (3.5 of 4 a round); an unrelated random LM
+    # of that size drafts garbage (1.0)
+    assert rows["draftmodel"]["draft_len"] == 3.0
+    assert rows["draftmodel"]["tau"] > 2 * rows[f"draft_model:{hf_dir.name}"]["tau"]
     # HF's τ: its tokens per base forward, counted by a hook; 10 tokens, at most 3 drafts + 1 a forward
     assert 10 / 10 <= rows["hf_assisted"]["tau"] <= 10 / 3
     assert "| draft len |" in (tmp_path / "eval" / "report.md").read_text()

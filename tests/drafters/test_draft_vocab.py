@@ -8,9 +8,10 @@ from specdec.base import LAST
 from specdec.checkpoint import load_drafter
 from specdec.drafters.medusa import Medusa
 from specdec.sampling.decode import SamplerConfig, generate
-from specdec.training import DraftTrainer, train
+from specdec.training import DraftTrainer
 
-from conftest import auto_engine, compose_train
+from conftest import auto_engine
+from test_train import trained_and_untrained
 
 TINY_DATA = ["base=tiny", "data=text", "data.block_size=32", "data.batch_size=2", "data.val_fraction=0.2"]
 
@@ -70,12 +71,12 @@ def test_full_draft_vocab_trains_like_no_draft_vocab(tiny):
 
 
 def test_train_picks_frequent_tokens_and_checkpoint_keeps_them(corpus, tmp_path, tiny):
-    cfg = compose_train([*TINY_DATA, f"data.source.path={corpus}/*.txt", "drafter=medusa", "drafter.num_heads=2",
-                         "drafter.draft_vocab_size=24", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                         "callbacks.progress_bar.refresh_rate=0"], tmp_path)
-    metrics = train(cfg)
-    assert metrics["val/expected_tau"] >= 1.0
-    drafter = load_drafter(f"{cfg.paths.output_dir}/drafter", tiny)
+    trained, untrained = trained_and_untrained([*TINY_DATA, f"data.source.path={corpus}/*.txt", "drafter=medusa",
+                                                "drafter.num_heads=2", "drafter.draft_vocab_size=24"], tmp_path)
+    # The heads over 24 tokens learn. Not seen in val/expected_tau here: the random tiny base spreads its mass almost
+    # evenly, so the 24 tokens hold ~3% of it and Σ min(p, q) over them is that mass whatever the heads put there.
+    assert trained["val/loss"] < untrained["val/loss"] - 0.005
+    drafter = load_drafter(tmp_path / "trained" / "run" / "drafter", tiny)
     tokens = set(drafter.draft_vocab.tokens.tolist())
     text = "".join(p.read_text() for p in corpus.glob("*.txt"))
     frequent = {t for t, _ in __import__("collections").Counter(tiny.tokenizer(text)["input_ids"]).most_common(10)}
