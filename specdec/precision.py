@@ -1,8 +1,8 @@
 """`trainer.precision=auto`: train a drafter in bf16 autocast where this machine multiplies bf16 faster, else in fp32.
 
 A drafter's training step is its products (block, fc, the draft-vocab head, forward and backward) and little else
-once the loss is fused (specdec/losses.py). Whether bf16 pays is a property of the CPU: a Zen 4 EPYC (AVX-512 BF16)
-ran these products at 2.2-2.7x fp32, while a CPU without native bf16 instructions converts and may well be slower
+once the loss is fused (specdec/losses.py). Whether bf16 pays is a property of the CPU: one with native bf16 instructions
+(AVX-512 BF16, AMX) runs these products well faster than fp32, while one without converts and may well be slower
 than fp32. So the choice is timed here, once per run (per process: DDP ranks time it each), on the drafter's own
 head shape, with fp32 as the fallback. The frozen base is not touched: its features come from the cache or from its
 own forward in its own dtype."""
@@ -16,8 +16,8 @@ import torch
 AUTO = "auto"
 MIN_GAIN = 1.25  # bf16 must be this much faster: autocast adds casts the product timing does not see
 ROWS = 2048  # one batch of the recipes (8 x 256 tokens)
-# A product ~1/400 of an lm_head's, timed first: where the CPU has no bf16 instructions (a Zen 2 EPYC, AVX2 only)
-# torch's fallback ran ~20-40x slower than fp32, so SmolLM2's [2048, 576] x [576, 49152] in bf16 took ~2 min a repeat.
+# A product ~1/400 of an lm_head's, timed first: where the CPU has no bf16 instructions (AVX2 only) torch's fallback
+# can be tens of times slower than fp32, so timing SmolLM2's full [2048, 576] x [576, 49152] in bf16 would take minutes.
 # A probe that slow decides fp32 at once; one that is not is no verdict (small products understate a native gain).
 PROBE_ROWS, PROBE_OUT = 256, 1024
 PROBE_LOSS = 2.0  # bf16 this many times slower than fp32 on the probe: fp32 without timing the full shape

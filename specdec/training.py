@@ -434,7 +434,7 @@ def _sweep_grouping(logger_cfg: DictConfig) -> dict:
 
 def _finish_wandb() -> None:
     """Close the wandb run even on failure, so the next job of a multirun starts its own run. A run that never logged
-    to wandb (logger=csv) needs no wandb installed (the lent GPU machines have none)."""
+    to wandb (logger=csv) needs no wandb installed."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()

@@ -1,6 +1,6 @@
 """Continuous batching for plain autoregressive decoding (no drafter): throughput over many prompts, as
 self-distillation needs. Fixed batches empty as their answers end at different lengths, and a step of a few rows
-costs a good part of a full one (SmolLM2 on a 2-core CPU: 76 ms against 180 at batch 32); here a row
+costs a good part of a full one on a CPU (the weights stream once a step whatever the rows); here a row
 whose answer ends takes the next prompt, so the batch stays full until the queue runs dry.
 
 Built on the sampler's own pieces: one SamplingContext holds the batch's rows of the slot cache, and a row's pointer
@@ -27,9 +27,8 @@ from specdec.sampling.engine import REFERENCE, Engine
 Answer = tuple[int, list[int]]  # (index of the prompt, its generated tokens: the EOS included when the base ended)
 
 # Free rows wait for a refill until this many are free (or as many as prompts are left). A prefill of one prompt
-# already multiplies its ~100-200 tokens' rows per weight: SmolLM2 prefilled ~125-token prompts at 3.0-3.2 ms/token
-# one at a time against 2.8-3.0 two or four together (1 thread, beside another job), while a free row rides along
-# every step it waits, doing nothing: refill at once.
+# already multiplies its ~100-200 tokens' rows per weight, so prefilling several together gains little, while a free
+# row rides along every step it waits, doing nothing: refill at once.
 REFILL_AT = 1
 
 

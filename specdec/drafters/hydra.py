@@ -130,7 +130,7 @@ class Hydra(Drafter):
                      top: int = 1) -> torch.Tensor | None:
         """The chain's `expand` calls (head d on the root and the d tokens drafted before) as one native call (one row
         on the CPU, SiLU blocks), else None. Its `paths` are left empty: nothing reads them before the next `observe`
-        (they cost ~5 ops a round to make, which on a 2-core CPU after a verify was ~10 % of the round)."""
+        (they cost ~5 ops a round to make, a noticeable share of a CPU round)."""
         parts = self._chain_parts.get(gamma, False)
         if parts is False:  # (the modules a chain reads do not change: found once per length)
             silu = all(type(block.act) is nn.SiLU for head in self.heads[:gamma] for block in head.blocks)

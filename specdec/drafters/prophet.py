@@ -185,8 +185,8 @@ class Prophet(Drafter):
     # -- sampling ----------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
         h = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
-        # what the native calls read, looked up once a decode (~10 module attribute reads, ~15 µs twice a round on a
-        # 2-core CPU after a verify); kept on the drafter, not in the state, whose every value a CUDA graph of the whole
+        # what the native calls read, looked up once a decode (~10 module attribute reads, which twice a round would
+        # cost a noticeable share of a CPU draft); kept on the drafter, not in the state, whose every value a CUDA graph of the whole
         # draft takes in (draft_graph.py)
         self._native_parts = self._parts()
         # h: newest committed real feature per row (zero before the prompt); root: the root entry's block output

@@ -109,13 +109,11 @@ def _take_turns(base: Base, items: list[dict], methods: list[Method], runs: dict
     """Run every method on every prompt it has not answered yet (runs[name] holds the answered ones, in order),
     taking turns: each method answers its next chunk of prompts before any method answers a later one, the order of
     our methods rotating from turn to turn. On a noisy machine a slow phase then falls on all methods alike, not on
-    whichever method's block of prompts it hits (one that slowed our AR loop on 4 of 10 prompts made every drafter
-    read ~30 % faster against it). The HF peers go last in every turn, so that whatever state their long runs leave
-    the machine in falls on each of our methods in turn. Rotated with ours, HF `generate` was followed by our AR loop
-    in nearly every turn, and on a 2-core Zen 5 EPYC make demo's Hydra heads read 1.13-1.16× our AR loop with it in
-    the run (3 runs; v(2) 1.15-1.19) against 1.19-1.23× with it last (2 runs; v(2) 1.06-1.08) and without it (5 runs;
-    v(2) 1.04-1.07): the cause unknown, the bias plain. `saved(m)` follows each chunk,
-    `after_turn()` each turn."""
+    whichever method's block of prompts it hits (a slow phase over a few of our AR loop's prompts would make every
+    drafter read faster against it). The HF peers go last in every turn, so that whatever state their long runs leave
+    the machine in falls on each of our methods in turn (rotated with ours, HF `generate` would be followed by our AR
+    loop in nearly every turn, and whatever it leaves behind would slow that one method). `saved(m)` follows each
+    chunk, `after_turn()` each turn."""
     pending = [m for m in methods if len(runs[m.name]) < len(items)]
     left = sum(-(-(len(items) - len(runs[m.name])) // m.batch) for m in pending)
     with tqdm(total=left, unit="chunk", desc="methods x prompts", leave=False) as bar:

@@ -51,7 +51,7 @@ def max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
 
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
     """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage. Their sum is finite when
-    every logit is (a few times cheaper to check than each: ~0.3 ms a verify of 5 rows on a 2-core CPU); only a sum
+    every logit is (a few times cheaper to check than each); only a sum
     that is not (an overflow, or a real NaN) looks at each logit."""
     if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
@@ -62,8 +62,8 @@ def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
 def finite_argmax(logits: torch.Tensor, where: str) -> torch.Tensor:
     """logits [..., V].argmax(-1), failing as `finite` does where greedy decoding would emit garbage: a NaN anywhere in
     a row is its max (PyTorch orders NaN above every number, as argmax does, the first on a tie), so is +inf, and a row
-    all -inf has no finite max. One op where `finite` and the argmax took four, each ~20 µs on a 2-core CPU right after
-    a forward. Unlike `finite`, an -inf logit below a finite max passes: it changes no greedy token."""
+    all -inf has no finite max. One op where `finite` and the argmax take four, each microseconds of dispatch on a CPU
+    right after a forward. Unlike `finite`, an -inf logit below a finite max passes: it changes no greedy token."""
     best, target = logits.max(-1)
     if not all(map(math.isfinite, best.flatten().tolist())):
         raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "

@@ -15,9 +15,9 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.engine import REFERENCE, Engine
 
 # Warm-up passes over every n after the prompt's prefill, before the timed ones. After one, the forwards still read
-# slower than the same forward inside our AR loop (the prefill's float32 products had just gone through the caches), and
-# every cost ratio divides by T_1: the `leviathan` table's a, our AR loop's time per token in T_1, was 0.86-0.93 on the
-# 2-core Xeon; after 8, 1.01-1.25.
+# slower than the same forward inside our AR loop (the prefill's float32 products have just gone through the caches),
+# and every cost ratio divides by T_1: too few warm-ups make T_1 too large and our AR loop's time per token in T_1 (the
+# Leviathan check's a) read below 1.
 WARMUP = 8
 
 

@@ -2,7 +2,7 @@
 
 Every forward of a decode (the verify, each draft depth, each `observe`) needs the rotary cos/sin at its query
 positions: the model's rotary module makes them in ~10 small ops and `lean_rope` turns them into the lean layers'
-form in 3 more, ~70 µs a forward on a 2-core CPU, paid 5-6 times a round. A decode never holds more than max_len
+form in 3 more, paid 5-6 times a round, each op microseconds of dispatch on a CPU. A decode never holds more than max_len
 positions, so both forms are made once for all of them and each forward indexes its rows.
 
 Only where the lookup gives the module's own numbers bit for bit: a rotary whose values depend on the call (dynamic

@@ -46,7 +46,7 @@ class Round:
 
     def is_chain(self) -> bool:
         """Whether node i's parent is i - 1 for every node (its accepted nodes are then 0..n-1: nothing to move).
-        On the host: the same test as tensor ops cost ~40 µs a round on a 2-core CPU, each op cold after a verify."""
+        On the host: the same test as tensor ops would cost several ops a round, each cold after a verify."""
         return self.parents.tolist() == list(range(-1, self.size - 1))
 
     def present(self) -> torch.Tensor | None:
@@ -238,7 +238,7 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
             tokens[:, on_device(level.kids)] = token[:, None]
             qs.append(q)
         else:
-            # [B, F, k]; a chain's top-1 by argmax (in a draft on the 2-core Xeon: topk 29 µs a call, argmax 18)
+            # [B, F, k]; a chain's top-1 by argmax (cheaper than topk on a CPU)
             top = drafter.token_ids(logits.argmax(-1, keepdim=True) if level.top == 1
                                     else logits.topk(level.top, dim=-1).indices)
             tokens[:, on_device(level.kids)] = top[:, on_device(level.parent_pos), on_device(level.rank)]
@@ -262,7 +262,7 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
 
 def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree) -> Round:
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
-    of the tree's gathers and scatters (four ops a depth fewer; each costs ~10 µs cold after a verify on a 2-core CPU);
+    of the tree's gathers and scatters (four ops a depth fewer, each cold after a verify on a CPU);
     or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
     faster here (the engine's `race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
     the CPU's to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for

@@ -72,7 +72,7 @@ def _deepest(ok: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> 
 def greedy_paths(target: list[list[int]], tokens: list[list[int]], parents: list[int],
                  present: list[list[bool]] | None = None) -> list[list[int]]:
     """T = 0: a node is right when it is the base's argmax after its parent, on host lists, for every greedy round of the decode loop (the base's argmax read once from the
-    device): its dozen tensor ops cost ~0.1-0.3 ms a round on a 2-core CPU and a launch each on a GPU, this a few µs. target, tokens [B][N], parents [N] (parents before children,
+    device): as tensor ops it is a dozen ops a round on a CPU and a launch each on a GPU, on host lists a few µs. target, tokens [B][N], parents [N] (parents before children,
     as every round numbers them), present [B][N] or None. Returns each row's accepted path, node ids root first: its
     last node is the deepest accepted one (the lower index on a tie)."""
     out = []
@@ -144,7 +144,7 @@ def checked_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> the argmax [...] (long), -1 where that row's max is not finite (a NaN anywhere in the row,
     +inf, or a row all -inf: greedy decoding would emit garbage there). Device ops alone, so a recorded verify ends
     with it (graphs.py) and the host reads one small tensor per round, which it checks for -1 (decode.py). An eager
-    decode on a CPU takes decode.finite_argmax instead: the same check read from the max itself, without the isfinite
-    and where (at 2 rows on the 2-core Zen 5: 40 µs a verify against 105)."""
+    decode on a CPU takes decode.finite_argmax instead: the same check read from the max itself, without this
+    isfinite and where (on a CPU each op costs microseconds of dispatch)."""
     best, target = logits.max(-1)
     return torch.where(torch.isfinite(best), target, -1)
