@@ -36,8 +36,7 @@ upgrade:
 
 # llama.cpp's C++ tools (llama-server, llama-bench, ...) from the llama.cpp inside PyPI's llama-cpp-python sdist, for
 # this CPU without AMX (experiments/peers/build_llama_cpp.sh says why): the peer every speed claim stands beside.
-# About 8 min on 2 cores (447 s on a Zen 4 EPYC), once; into .peers/. make demo and make bench use it; the tests that
-# need it skip without.
+# About 8 min on 2 cores, once; into .peers/. make demo and make bench use it; the tests that need it skip without.
 peers: setup
 	bash experiments/peers/build_llama_cpp.sh
 	# (its converter, run by python -m specdec.export --to gguf, reads a BPE tokenizer through sentencepiece's import)
@@ -112,7 +111,7 @@ distill: setup
 # conversations of the greedy set, a second request the base writes after its own answer (filtered the same way),
 # answered greedily with the whole conversation as the prompt, shipped to GENERAL_FOLLOWUPS_SHIP. Larger counts
 # extend the sets; with DISTILL_FROM=shipped a fresh machine starts from the shipped requests and answers instead of
-# making them again. About 1.2 s an answer on 2 cores (3,000 greedy answers: 59 min on a Zen 3), and 1 min per 256
+# making them again. About 1.2 s an answer on 2 cores (3,000 greedy answers: about an hour), and 1 min per 256
 # requests sampled (about 200 kept); a GPU user points DISTILL_ENGINE=openai at a server (docs/data.md).
 GENERAL_REQUESTS ?= 6200
 GENERAL_SAMPLED ?= 3400
@@ -169,10 +168,11 @@ features-general: setup
 # completion-format feature caches of the shipped text, built first (resumable; a finished cache is only checked):
 # layers last and 8, and for exit_layer layers 2-16; leviathan's prophet recipe reads the cache of every completion
 # answer (features-completions); general_domain mixes in the general-domain text's (features-general), and
-# best_drafter trains the prophet recipe for 1,500 steps on both (about 45 min on a 2-core Zen 5, 1 h on a Zen 4).
+# best_drafter trains the prophet recipe for 1,500 steps on both (about an hour on 2 cores).
 # The cheapest tables run first, best_drafter and leviathan (750 steps, about 30 min) last, so a stopped run has
 # finished tables to show; running `make tables` again continues where it stopped (a training from its last
-# checkpoint). The general-domain cache is built before the first table that reads it.
+# checkpoint). The general-domain cache is built before the first table that reads it. eagle3_vs_prophet is not among
+# them: its page (experiments/pages/eagle3_vs_prophet.md) gives its own cache and command.
 TABLES := prophet_vs_early_exit exit_layer medusa_heads self_speculative drafters general_domain draft_model \
           best_drafter leviathan
 tables: setup peers features-completions
