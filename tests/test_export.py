@@ -5,6 +5,7 @@ refused in one line; an exported drafter evaluated like ours."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,63 @@ def test_speculators_layout_is_what_vllm_and_speculators_read(base, tmp_path):
     assert t["embed_tokens.weight"].shape == (v, h) and t["norm.weight"].shape == (h,)
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 50
     assert torch.equal(t["d2t"] + torch.arange(50), d.draft_vocab.tokens)
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "speculators_eagle3.json"
+JSON_TYPES = {"str": lambda v: isinstance(v, str), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "bool": lambda v: isinstance(v, bool), "dict": lambda v: isinstance(v, dict), "null": lambda v: v is None,
+              "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+              "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)}
+
+
+def of_type(value, kind: str) -> bool:
+    """Whether a JSON value is of the fixture's type ("int", "list[int]|null", ...)."""
+    return any(JSON_TYPES[k](value) for k in kind.split("|"))
+
+
+def test_speculators_export_is_what_its_eagle3_model_loads(base, tmp_path):
+    """Against tests/fixtures/speculators_eagle3.json: the config fields and types, the decoder layer's config and the
+    state dict (names, shapes, dtypes) of speculators 0.9.0's Eagle3SpeculatorConfig and Eagle3DraftModel, transcribed
+    from its source (the fixture names the files), the version `make interop` loads our export with. Pydantic drops
+    a config key it does not know without a word, and a tensor its model lacks is only a warning: here either fails."""
+    spec = json.loads(FIXTURE.read_text())
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    out = export(d, "speculators", tmp_path / "s")
+    cfg = json.loads((out / "config.json").read_text())
+    fields = spec["config"]["fields"]
+    assert set(cfg) <= set(fields), set(cfg) - set(fields)
+    assert all(of_type(cfg[k], fields[k]["type"]) for k in cfg)
+    # its defaults that would be wrong for ours: a Qwen3 layer, 32000 draft tokens, its own aux layers, no verifier
+    assert {"transformer_layer_config", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+            "speculators_config"} <= set(cfg)
+    assert all(cfg[k] == v for k, v in spec["config"]["values"].items())
+    layer = cfg["transformer_layer_config"]
+    assert layer.get("model_type") in spec["config"]["layer_model_types"]  # (else its Qwen3Config reads the layer)
+    assert set(spec["config"]["layer_keys"]) <= set(layer)
+    aux = cfg["eagle_aux_hidden_state_layer_ids"]  # distinct, within [0, the verifier's layers]
+    assert len(set(aux)) == len(aux) and 0 <= min(aux) and max(aux) <= base.num_layers
+    sc = cfg["speculators_config"]
+    assert set(sc) == set(spec["config"]["speculators_config"])
+    assert set(sc["verifier"]) == set(spec["config"]["verifier"])
+    assert all(of_type(sc["verifier"][k], t) for k, t in spec["config"]["verifier"].items())
+    for method in sc["proposal_methods"]:
+        assert set(method) == set(spec["config"]["proposal"])
+        assert all(of_type(method[k], t) for k, t in spec["config"]["proposal"].items())
+    assert sc["default_proposal_method"] in [m["proposal_type"] for m in sc["proposal_methods"]]
+
+    sizes = {"H": layer["hidden_size"], "I": layer["intermediate_size"], "V": layer["vocab_size"],
+             "Vd": cfg["draft_vocab_size"], "Q": layer["num_attention_heads"] * layer["head_dim"],
+             "KV": layer["num_key_value_heads"] * layer["head_dim"], "A": len(aux)}
+    flags = {"Vd != V": sizes["Vd"] != sizes["V"], "norm_before_fc": cfg.get("norm_before_fc", False)}
+    theirs = {k: t for k, t in spec["state_dict"]["tensors"].items() if flags.get(t.get("when"), True)}
+    ours = load_file(out / "model.safetensors")
+    assert set(ours) <= set(theirs) - set(spec["state_dict"]["never_saved"]), set(ours) - set(theirs)
+    assert set(theirs) - set(spec["state_dict"]["ignored_when_missing"]) <= set(ours)  # what it cannot do without
+    for name, t in ours.items():
+        want = theirs[name]
+        assert list(t.shape) == [eval(dim, {}, sizes) for dim in want["shape"]], name  # noqa: S307 (the fixture's)
+        assert str(t.dtype).removeprefix("torch.") == want.get("dtype", str(t.dtype).removeprefix("torch.")), name
 
 
 def test_sglang_layout_is_what_its_loader_reads(base, tmp_path):
