@@ -273,3 +273,21 @@ def test_the_command_line_exports_a_checkpoint_and_refuses_in_one_line(base, tmp
     assert cli.main([str(tmp_path / "ckpt"), "--to", "medusa", "--out", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "has no medusa form; its formats: speculators, sglang, gguf" in err
+
+
+def test_a_base_that_cannot_be_loaded_is_refused_in_one_line_naming_base(base, tmp_path, monkeypatch, capsys):
+    """Offline, the tiny base a checkpoint names (it has no hub name) and a --base directory that is not there end in
+    one line that says to pass --base, not in the hub client's traceback."""
+    import huggingface_hub
+
+    import specdec.export.__main__ as cli
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    save_drafter(Eagle3(base, ttt_steps=2, draft_vocab_size=50, aux_layers=[1, 2, 3]), tmp_path / "ckpt")
+    for extra, names in [([], f"{base.name!r} (its checkpoint names it)"),
+                         (["--base", str(tmp_path / "nowhere")], f"{str(tmp_path / 'nowhere')!r} (--base names it)")]:
+        assert cli.main([str(tmp_path / "ckpt"), "--to", "speculators", "--out", str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"cannot load the base {names}" in err
+        assert err.endswith("pass the base the drafter was trained on as --base <hub name or model directory>")
+    assert not (tmp_path / "out").exists()

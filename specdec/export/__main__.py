@@ -21,13 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         meta = read_meta(args.drafter)
-        base = load_base(args.base or meta["base_name"], device="cpu")
+        base = _base(args.base or meta["base_name"], named_by="--base" if args.base else "its checkpoint")
         out = export(load(args.drafter, base), args.to, args.out, source=str(args.drafter))
     except (CheckpointError, FileNotFoundError) as e:
         print(f"specdec.export: {e}", file=sys.stderr)
         return 2
     print(f"{args.drafter} -> {out} ({args.to}: {FORMATS[args.to].loads_it})")
     return 0
+
+
+def _base(name: str, named_by: str):
+    """The base the drafter is exported for, or one line saying why it cannot be loaded and what to pass instead:
+    the hub client's own error (no such directory, not on the hub, offline) runs over several lines."""
+    try:
+        return load_base(name, device="cpu")
+    except OSError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__).rstrip(".")
+        raise CheckpointError(f"cannot load the base {name!r} ({named_by} names it): {reason}; pass the base the "
+                              f"drafter was trained on as --base <hub name or model directory>") from None
 
 
 if __name__ == "__main__":
