@@ -1,12 +1,12 @@
 """Drafters out of specdec and into it: `python -m specdec.export <drafter dir> --to <format> --out <dir>` writes a
 trained drafter in a serving engine's own format; `load(path, base)` reads any of those formats (or a specdec
 checkpoint) back into a drafter our sampler runs, so `evaluate.py drafters=[<dir>]` judges a drafter trained
-elsewhere (SpecForge, speculators, the EAGLE repo, Medusa) beside ours.
+elsewhere (SpecForge, speculators, z-lab, the EAGLE repo, Medusa) beside ours.
 
 | format | family | who loads it |
 |---|---|---|
-| speculators | eagle3 | vLLM (auto-detected), the speculators package |
-| sglang | eagle3 | SGLang, the EAGLE repo, SpecForge (`LlamaForCausalLMEagle3`) |
+| speculators | eagle3, dflash | vLLM (auto-detected), the speculators package |
+| sglang | eagle3, dflash | SGLang (dflash: DFLASH, z-lab's layout), the EAGLE repo, SpecForge (`LlamaForCausalLMEagle3`) |
 | vllm_medusa | medusa | vLLM's MedusaModel |
 | medusa | medusa | the Medusa repo, TGI and TensorRT-LLM's converters |
 | hf | draft_model | HF from_pretrained / generate(assistant_model=), vLLM draft-model speculation |
@@ -22,11 +22,12 @@ from typing import Any, Callable
 
 from specdec.base import Base
 from specdec.checkpoint import META, load_drafter, read_meta
+from specdec.drafters.dflash import DFlash
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.drafters.eagle3 import Eagle3
 from specdec.drafters.medusa import Medusa
-from specdec.export import draft_model, eagle3, gguf, medusa
+from specdec.export import dflash, draft_model, eagle3, gguf, medusa
 from specdec.export.common import SPECDEC, CheckpointError
 
 
@@ -37,9 +38,16 @@ class Format:
     loads_it: str
 
 
+def by_family(writers: dict[type, Callable[[Any, Path, str], None]]) -> Callable[[Any, Path, str], None]:
+    """One format's writer for several families: each drafter goes to its own family's writer."""
+    return lambda d, out, source: writers[type(d)](d, out, source)
+
+
 FORMATS = {
-    "speculators": Format(Eagle3, eagle3.write_speculators, "vLLM, speculators"),
-    "sglang": Format(Eagle3, eagle3.write_sglang, "SGLang, the EAGLE repo, SpecForge"),
+    "speculators": Format((Eagle3, DFlash), by_family({Eagle3: eagle3.write_speculators,
+                                                       DFlash: dflash.write_speculators}), "vLLM, speculators"),
+    "sglang": Format((Eagle3, DFlash), by_family({Eagle3: eagle3.write_sglang, DFlash: dflash.write_sglang}),
+                     "SGLang (dflash: --speculative-algorithm DFLASH), the EAGLE repo, SpecForge"),
     "vllm_medusa": Format(Medusa, medusa.write_vllm, "vLLM MedusaModel"),
     "medusa": Format(Medusa, medusa.write_repo, "the Medusa repo, TGI, TensorRT-LLM"),
     "hf": Format(DraftModel, draft_model.write_hf, "HF from_pretrained, generate(assistant_model=), vLLM"),
@@ -60,6 +68,9 @@ def export(drafter: Drafter, to: str, out: str | Path, source: str = "") -> Path
             + (f"its formats: {', '.join(have)}" if have else
                f"only {', '.join(sorted(_family_names()))} drafters have serving "
                f"formats ({', '.join(FORMATS)})"))
+    why = dflash.refusal(drafter, to) if isinstance(drafter, DFlash) else None
+    if why:  # (before the folder is made: nothing is written that would serve other drafts)
+        raise CheckpointError(f"a dflash drafter has no faithful {to} form: {why}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fmt.write(drafter, out, source)
@@ -76,50 +87,54 @@ def _of(drafter: Drafter, fmt: Format) -> bool:
 
 
 def _family_names() -> set[str]:
-    names = {Eagle3: "eagle3", Medusa: "medusa", DraftModel: "draft_model"}  # (their drafter= config names)
+    # (their drafter= config names)
+    names = {Eagle3: "eagle3", DFlash: "dflash", Medusa: "medusa", DraftModel: "draft_model"}
     return {names[c] for f in FORMATS.values() for c in (f.family if isinstance(f.family, tuple) else (f.family,))}
 
 
 def detect(path: str | Path) -> str:
     """Which format the folder holds: specdec (a checkpoint of ours) or one of FORMATS."""
+    return _reader(path)[0]
+
+
+def _reader(path: str | Path) -> tuple[str, type | None, Callable[[Path, Base], Drafter] | None]:
+    """The folder's format, the family it holds and the reader that loads it (None, None for a checkpoint of
+    ours)."""
     path = Path(path)
     if (path / META).exists():
-        return "specdec"
+        return "specdec", None, None
     config = path / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"no drafter at {path}: neither a specdec checkpoint ({META}) nor a config.json")
     cfg = json.loads(config.read_text())
-    if eagle3.is_speculators(cfg):
-        return "speculators"
-    if eagle3.is_sglang(cfg):
-        return "sglang"
-    if medusa.is_vllm(cfg):
-        return "vllm_medusa"
-    if medusa.is_repo(cfg):
-        return "medusa"
+    for fmt, family, is_it, reader in [("speculators", Eagle3, eagle3.is_speculators, eagle3.read),
+                                       ("speculators", DFlash, dflash.is_speculators, dflash.read),
+                                       ("sglang", Eagle3, eagle3.is_sglang, eagle3.read),
+                                       ("sglang", DFlash, dflash.is_zlab, dflash.read),
+                                       ("vllm_medusa", Medusa, medusa.is_vllm, medusa.read),
+                                       ("medusa", Medusa, medusa.is_repo, medusa.read)]:
+        if is_it(cfg):
+            return fmt, family, reader
     if draft_model.is_hf(path):
-        return "hf"
+        return "hf", DraftModel, draft_model.read
     raise CheckpointError(f"{path}: config.json is of no drafter format specdec reads ({', '.join(FORMATS)})")
 
 
 def describe(path: str | Path) -> dict:
     """What evaluate.py names and reports a drafter by, read before the base is loaded: its family ("target") and,
     for an export or a checkpoint from elsewhere, its format and the base it names."""
-    fmt = detect(path)
+    fmt, family, _ = _reader(path)
     if fmt == "specdec":
         return read_meta(path)
     record = Path(path) / SPECDEC
     base_name = json.loads(record.read_text())["base_name"] if record.exists() else None
-    family = {"speculators": Eagle3, "sglang": Eagle3, "vllm_medusa": Medusa, "medusa": Medusa, "hf": DraftModel}[fmt]
     return {"target": f"{family.__module__}.{family.__qualname__}", "format": fmt, "base_name": base_name}
 
 
 def load(path: str | Path, base: Base) -> Drafter:
     """Any drafter folder -> a drafter on `base`: a specdec checkpoint, or a checkpoint in one of FORMATS (refused
     in one line when it is for another base, or malformed)."""
-    fmt, path = detect(path), Path(path)
+    fmt, _, reader = _reader(path)
     if fmt == "specdec":
-        return load_drafter(path, base)
-    reader = {"speculators": eagle3.read, "sglang": eagle3.read, "vllm_medusa": medusa.read, "medusa": medusa.read,
-              "hf": draft_model.read}[fmt]
-    return reader(path, base)
+        return load_drafter(Path(path), base)
+    return reader(Path(path), base)
