@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specdec.base import Base, Features, cache_arg, layer_keys
+from specdec.base import LAST, Base, Features, cache_arg, layer_keys
 from specdec.drafters.drafter import DraftContext, Drafter, DraftVocab, TrainOutput, copy_lm_head
 from specdec.drafters.eagle3 import default_aux_layers
 
@@ -73,8 +73,9 @@ class DFlash(Drafter):
             raise ValueError(f"dflash: block_size must be >= 2 (the anchor and one masked position), got {block_size}")
         if not 1 <= num_layers <= base.num_layers:
             raise ValueError(f"dflash: num_layers must be in [1, {base.num_layers}], got {num_layers}")
-        if any(not 0 < l <= base.num_layers for l in aux_layers):
-            raise ValueError(f"dflash: aux_layers must be base layers in (0, {base.num_layers}], got {aux_layers}")
+        if any(not (0 < l <= base.num_layers or l == LAST) for l in aux_layers):
+            raise ValueError(f"dflash: aux_layers must be base layers in (0, {base.num_layers}] or {LAST} (the normed "
+                             f"output), got {aux_layers}")
         h = base.hidden_size
         self.aux_layers, self.block_size, self.mask_token_id = aux_layers, block_size, mask_token_id
         self.feature_layers = tuple(aux_layers)
