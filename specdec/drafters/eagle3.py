@@ -7,6 +7,10 @@ a reduced draft vocabulary, trained by training-time test (TTT) with no feature 
 - The layer: residual g; attention over cat(input_layernorm(emb(x)), hidden_norm(g)) (q, k, v read 2H); then g' =
   g + attn, out = g' + mlp(post_attention_layernorm(g')). `out` (before any norm) is the next step's g; the logits are
   lm_head(norm(out)) over the draft vocab (its d2t / t2d maps are the DraftVocab's tokens).
+- EAGLE-3.1's two switches (speculators' `fc_norm` and `norm_output`, which vLLM reads under the same names; both off
+  is EAGLE-3): `fc_norm` puts an RMSNorm of its own on each fused layer before fc, g_t = fc([n_1(a^{low}_t);
+  n_2(a^{mid}_t); n_3(a^{high}_t)]); `norm_output` makes norm(out), the logits' input, the next step's g in place of
+  `out`, so that the magnitude a step reads does not drift with depth.
 - TTT: k unrolled steps; step j at t reads its own step j-1 output at t with the token x_{t+j+1} (the data's, teacher
   forced), attends to the real entries ≤ t and to its chain's earlier steps (one key per step: the diagonal), and is
   scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's head_decay).
@@ -72,16 +76,22 @@ class Eagle3(Drafter):
     graph_draft = True
 
     def __init__(self, base: Base, ttt_steps: int = 7, draft_vocab_size: int | None = 32000,
-                 aux_layers: list[int] | None = None):
+                 aux_layers: list[int] | None = None, fc_norm: bool = False, norm_output: bool = False):
         aux_layers = [int(l) for l in aux_layers] if aux_layers else default_aux_layers(base.num_layers)
         draft_vocab_size = min(draft_vocab_size or base.vocab_size, base.vocab_size)
-        super().__init__(base, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, aux_layers=aux_layers)
+        super().__init__(base, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, aux_layers=aux_layers,
+                         fc_norm=bool(fc_norm), norm_output=bool(norm_output))
         if len(aux_layers) != 3 or any(not 0 < l < base.num_layers for l in aux_layers):
             raise ValueError(f"eagle3 fuses three inner base layers in (0, {base.num_layers}), got {aux_layers}")
         h = base.hidden_size
         self.aux_layers = aux_layers
         self.feature_layers = tuple(aux_layers)
         self.fc = nn.Linear(3 * h, h, bias=False)
+        # one norm per fused layer, low to high (state-dict names fc_norm.{0,1,2}.weight, as speculators and vLLM
+        # name them); None: EAGLE-3
+        self.fc_norm = (nn.ModuleList(type(base.norm)(h, eps=base.config.rms_norm_eps) for _ in aux_layers)
+                        if fc_norm else None)
+        self.norm_output = bool(norm_output)
         self.layers = nn.ModuleList([Eagle3Layer(base)])
         self.norm = type(base.norm)(h, eps=base.config.rms_norm_eps)
         self.draft_vocab = DraftVocab(base, draft_vocab_size)
@@ -104,7 +114,8 @@ class Eagle3(Drafter):
         base's own next-token distribution: the starting point of the prophet's identity initialisation, and of
         the draft model's copied layers. From random weights a short run leaves EAGLE-3 well behind the prophet;
         from this start it ties the prophet at 600 steps (experiments/pages/eagle3_vs_prophet.md).
-        Only the starting point: the architecture and what an engine loads are EAGLE-3's."""
+        Only the starting point: the architecture and what an engine loads are EAGLE-3's. With `fc_norm` (its
+        weights start at one) fc passes a^{high} scaled to unit RMS, so the start is only near the base's."""
         h = self.fc.out_features
         src = self.base.layers[self.aux_layers[-1]]
         layer = self.layers[0]
@@ -123,8 +134,12 @@ class Eagle3(Drafter):
 
     # -- pieces shared by training and sampling ----------------------------------------------------------------
     def real_feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The base's hidden states {layer: [..., H]} -> g [..., H], fc over the three layers, low to high."""
-        return self.fc(torch.cat([hidden[l] for l in self.aux_layers], dim=-1))
+        """The base's hidden states {layer: [..., H]} -> g [..., H], fc over the three layers, low to high (each
+        through its own fc_norm first where there is one)."""
+        parts = [hidden[l] for l in self.aux_layers]
+        if self.fc_norm is not None:
+            parts = [norm(a) for norm, a in zip(self.fc_norm, parts)]
+        return self.fc(torch.cat(parts, dim=-1))
 
     def step_input(self, g: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         """g [..., H] of position t (real or the layer's own output) and emb(x_{t+1}) [..., H] -> [..., 2H]."""
@@ -133,9 +148,11 @@ class Eagle3(Drafter):
     def vocab_heads(self) -> list[nn.Linear]:
         return [self.lm_head]
 
-    def readout(self, out: torch.Tensor) -> torch.Tensor:
-        """The layer's output [..., H] -> draft logits [..., V_d]."""
-        return self.lm_head(self.norm(out))
+    def readout(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output [..., H] -> (the next step's g [..., H], draft logits [..., V_d]). g is `out` itself, or
+        with `norm_output` norm(out), the logits' own input."""
+        normed = self.norm(out)
+        return (normed if self.norm_output else out), self.lm_head(normed)
 
     def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """The layer over x [B, n, 2H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
@@ -164,19 +181,20 @@ class Eagle3(Drafter):
         x0 = self.step_input(torch.cat([g.new_zeros(b, 1, hs), g], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
         mask = unroll_mask(t, 0, x0.dtype, dev)
         cache = DynamicCache()  # step 0's keys, then each later step's, in that order
-        out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H]
-        logits = [self.readout(out)]
+        g, first = self.readout(self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:])  # [B, T, H]
+        logits = [first]
         for j in range(1, steps):
             mask = unroll_mask(t, j, x0.dtype, dev)  # [T, T+1 + j·T]
-            out = self._run(self.step_input(out, ahead(j + 1)), torch.arange(j, t + j, device=dev), mask, cache)
-            logits.append(self.readout(out))
+            g, step = self.readout(self._run(self.step_input(g, ahead(j + 1)), torch.arange(j, t + j, device=dev),
+                                             mask, cache))
+            logits.append(step)
         return torch.stack(logits, dim=2)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
         g = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
         # g: newest committed real feature per row (zero before the prompt: the sink); root: the root entry's layer
-        # output (set by observe); outs: the round's layer output per node (each child's g)
+        # output (set by observe); outs: the round's g per node (what each child reads; see `readout`)
         return {"g": g, "root": None, "outs": NodeTable()}
 
     def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
@@ -205,8 +223,9 @@ class Eagle3(Drafter):
         else:
             x = self.step_input(state["outs"].get(parents, ctx), self.base.embed_tokens(tokens))  # [B, N, 2H]
             out = ctx.run_layers(self.layers, x, STORE, POSITION_OFFSET)
-        state["outs"].put(out, nodes, ctx)
-        return self.readout(out)  # [B, N, V_d]
+        g, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
+        state["outs"].put(g, nodes, ctx)
+        return logits
 
     # -- the maps serving engines read ---------------------------------------------------------------------------
     def d2t(self) -> torch.Tensor:
