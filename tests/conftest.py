@@ -18,10 +18,15 @@ CONFIGS = ROOT / "configs"
 sys.path[:0] = [str(Path(__file__).parent / "sampling"), str(Path(__file__).parent)]
 
 
+# The suite never measures kernels (make bench does): its engines take every CPU fast path that is switched on wherever
+# it runs (cpu_kernels=native), and each test that runs one checks it against the reference (or a path switched off)
+TEST_ENGINE = dict(cpu_kernels="native")
+
+
 def auto_engine(device: str = "cpu", **settings):
-    """The engine EngineConfig(**settings) names for a base on `device` (auto on a CPU: the CPU engine, measured
-    kernels, as evaluate.py runs it)."""
-    return build(EngineConfig(**settings), device)
+    """The engine EngineConfig(**settings) names for a base on `device` (auto on a CPU: the CPU engine, as evaluate.py
+    runs it, with its fast paths forced on rather than measured unless `settings` say cpu_kernels)."""
+    return build(EngineConfig(**{**TEST_ENGINE, **settings}), device)
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -90,7 +95,7 @@ def prefill_and_verify(base, prompt: list[int], tree: bool, lean: bool = True, g
     {0, 2, LAST}."""
     # the CPU engine's forwards: native layers where a measured_kernels block around the call attached them; with
     # graphs, the CUDA engine's static forward, run on the CPU (nothing is recorded there)
-    fast = build(EngineConfig(name="cpu", lean=lean), "cpu")
+    fast = build(EngineConfig(name="cpu", lean=lean, **TEST_ENGINE), "cpu")
     if graphs:
         from specdec.engines.cuda.engine import CudaEngine
         fast = CudaEngine(EngineConfig(name="cuda", lean=lean))

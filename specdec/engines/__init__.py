@@ -25,7 +25,7 @@ def build(cfg: EngineConfig | None = None, device: torch.device | str = "cpu") -
     kind = torch.device(device).type
     name = cfg.name
     if name == "auto":
-        name = "cuda" if kind == "cuda" else "cpu" if kind == "cpu" and cfg.cpu_kernels == "measured" else "eager"
+        name = "cuda" if kind == "cuda" else "cpu" if kind == "cpu" and cfg.cpu_kernels != "stock" else "eager"
     if name in ("cpu", "cuda") and name != kind:
         raise ValueError(f"engine: {name} engine for a base on {kind}; use engine=auto or engine=eager")
     if name == "cpu":

@@ -107,13 +107,14 @@ def per_count(choice: dict[int, str], most: int, default: str) -> list[str]:
 class Race:
     """Two ways of one step (the first: a native or fused call; the second: the plain one): the first ROUNDS calls of
     each, alternating from the first way, are timed by the caller (`record`); then the faster by median is kept for the
-    rest of the process. A call where the first way declined (it cannot take that call) is not recorded."""
+    rest of the process. A call where the first way declined (it cannot take that call) is not recorded. A race
+    `decided` by the config (True: the first way) is never timed."""
 
     ROUNDS = 3
 
-    def __init__(self):
+    def __init__(self, decided: bool | None = None):
         self.times: tuple[list[float], list[float]] = ([], [])  # seconds a call: the second way, the first
-        self.winner: bool | None = None  # True: the first way
+        self.winner: bool | None = decided  # True: the first way
 
     def first(self) -> bool:
         """Whether to try the first way now."""

@@ -1,6 +1,12 @@
-"""specdec.engines.build: which engine a config names on which device, and one-line refusals."""
+"""specdec.engines.build: which engine a config names on which device, one-line refusals, and the engine yamls: auto's
+settings are EngineConfig's defaults, the others state only their delta."""
+
+import dataclasses
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from specdec.engines import EngineConfig, build
 from specdec.engines.cpu.engine import CpuEngine
@@ -13,6 +19,7 @@ def test_auto_picks_the_devices_engine():
     assert type(build(EngineConfig(), "cpu")) is CpuEngine
     assert type(build(EngineConfig(), "cuda")) is CudaEngine  # (built, not run: no GPU needed)
     assert type(build(EngineConfig(cpu_kernels="stock"), "cpu")) is EagerEngine
+    assert type(build(EngineConfig(cpu_kernels="native"), "cpu")) is CpuEngine
     assert type(build(EngineConfig(name="eager"), "cuda")) is EagerEngine
 
 
@@ -32,9 +39,33 @@ def test_an_engine_for_another_device_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("kw, message", [(dict(name="tpu"), "name must be one of auto, eager, cpu, cuda"),
-                                         (dict(cpu_kernels="fast"), "cpu_kernels must be measured or stock"),
+                                         (dict(cpu_kernels="fast"), "cpu_kernels must be measured, native or stock"),
                                          (dict(cuda_kernels="x"), "cuda_kernels must be measured, unfused or stock"),
                                          (dict(draft_precision="q2"), "draft_precision must be fp32")])
 def test_settings_are_checked(kw, message):
     with pytest.raises(ValueError, match=f"engine: {message}"):
         EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("name, delta", [("auto", {}), ("cpu", dict(name="cpu")), ("cuda", dict(name="cuda")),
+                                         ("eager", dict(name="eager")), ("demo", dict(draft_precision="q4a8"))])
+def test_engine_yamls_are_the_code_defaults_and_their_delta(name, delta):
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with initialize_config_dir(str(configs), version_base="1.3"):
+        node = OmegaConf.to_container(compose("evaluate", overrides=[f"engine={name}"]).engine)
+    assert node.pop("_target_") == "specdec.engines.config.EngineConfig"
+    assert node == dataclasses.asdict(EngineConfig(**delta))
+
+
+def test_a_decided_race_is_never_timed():
+    """cpu_kernels=native takes the whole chain at once; whole_chains=false never does, on any engine."""
+    for cfg, first in [(EngineConfig(cpu_kernels="native"), True), (EngineConfig(whole_chains=False), False),
+                       (EngineConfig(cpu_kernels="native", whole_chains=False), False)]:
+        race = build(cfg, "cpu").race(object, ("chain",))
+        for _ in range(10):
+            assert race.first() is first
+            race.record(not first, 0.0)
+        assert race.winner is first
+    assert build(EngineConfig(), "cpu").race(object, ("chain",)).winner is None  # measured: undecided until timed
+    assert build(EngineConfig(name="eager"), "cpu").race(object, ()) is None
+    assert build(EngineConfig(name="eager", whole_chains=False), "cpu").race(object, ()).first() is False

@@ -12,7 +12,8 @@ taken (the first on a tie, as argmax over all logits takes it). The answer is th
 full product's; only the order of the float32 sums differs, as between any two float32 kernels.
 
 Used at the row counts where it measures faster than the lm_head's own measured kernel (`shortlist`: once per process
-and weight, each call timed after flushing the caches, as a decode step finds them);
+and weight, each call timed after flushing the caches, as a decode step finds them), or at every row count of ROWS'
+range where the config forces it (cpu_kernels=native);
 elsewhere, at T > 0 (which needs the whole distribution), or without the native library, the logits are computed."""
 
 from __future__ import annotations
@@ -75,25 +76,27 @@ class Shortlist:
         return vocab[exact.argmax(dim=1)].reshape(shape)
 
 
-# lm_head -> its Shortlist, or None where that measured slower at every row count
-_SHORTLISTS: weakref.WeakKeyDictionary[nn.Linear, Shortlist | None] = weakref.WeakKeyDictionary()
+# lm_head -> {forced: its Shortlist, or None where that measured slower at every row count}
+_SHORTLISTS: weakref.WeakKeyDictionary[nn.Linear, dict[bool, Shortlist | None]] = weakref.WeakKeyDictionary()
 ROWS = (1, 2, 4, 8, 12, 16)  # row counts timed; more rows take the logits
 FLUSH_BYTES = 256 << 20  # read between timed calls: in a decode the layers' weights have just evicted the lm_head's
 
 
-def shortlist(lm_head: nn.Linear) -> Shortlist | None:
+def shortlist(lm_head: nn.Linear, forced: bool = False) -> Shortlist | None:
     """The lm_head's Shortlist, its `rows` set to where on this machine its argmax measures faster than the lm_head's
-    forward (with whatever kernel is patched in) followed by an argmax; None where it wins at no row count or cannot
-    run (no native library, not float32 on the CPU). Measured once per process and weight (under a second)."""
+    forward (with whatever kernel is patched in) followed by an argmax (forced: every row count up to max(ROWS),
+    nothing measured); None where it wins at no row count or cannot run (no native library, not float32 on the CPU).
+    Measured once per process and weight (under a second)."""
     w = lm_head.weight
     if not (native.available() and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
             and lm_head.bias is None):
         return None
-    have = _SHORTLISTS.get(lm_head, False)
+    known = _SHORTLISTS.setdefault(lm_head, {})
+    have = known.get(forced, False)
     if have is False or (have is not None and (have.weight is not w or not have.current)):
         made = Shortlist(w)
-        made.rows = _wins(made, lm_head)
-        have = _SHORTLISTS[lm_head] = made if any(made.rows) else None
+        made.rows = [False] + [True] * max(ROWS) if forced else _wins(made, lm_head)
+        have = known[forced] = made if any(made.rows) else None
     return have
 
 

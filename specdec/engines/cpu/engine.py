@@ -2,7 +2,8 @@
 measured fastest on this machine for its shape and row count (kernels.py: PyTorch's, oneDNN's or the native C ones
 in smallm.c, from the weights' exact compact blocks where they have them), whole decoder layers and stacks as one
 native call (native_layer.py, layer.c), the verify's argmax from a bfloat16 shortlist of the lm_head (argmax.py) and a
-drafter's greedy chain as one call (native_chain.py, chain.c), each only where it measured faster."""
+drafter's greedy chain as one call (native_chain.py, chain.c), each only where it measured faster, or, under
+cpu_kernels=native, wherever it can run, nothing measured."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from specdec.engines.config import EngineConfig
 from specdec.engines.cpu import native_chain, native_layer
 from specdec.engines.cpu.argmax import shortlist
-from specdec.engines.cpu.kernels import KernelTable, measured_kernels
+from specdec.engines.cpu.kernels import KernelTable, forced_table, measured_kernels
 from specdec.engines.eager.engine import EagerEngine
 from specdec.engines.measure import Race
 
@@ -25,13 +26,16 @@ class CpuEngine(EagerEngine):
 
     def __init__(self, cfg: EngineConfig | None = None, table: KernelTable | None = None):
         super().__init__(cfg or EngineConfig(name="cpu"))
-        self.table = table  # None: the process-wide kernel table (measured once per machine, kept on disk)
+        # None: the process-wide kernel table (measured once per machine, kept on disk; cpu_kernels=native: one that
+        # measures nothing)
+        self.table = table or (forced_table() if self.cfg.cpu_kernels == "native" else None)
         # drafter -> (chain length, fan) -> whether its whole greedy chain is the faster way here
         self._races: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Race]] = weakref.WeakKeyDictionary()
 
     def key(self, greedy: bool) -> tuple:
         c = self.cfg
-        return (self.name, c.lean, c.native_layers, c.compact_weights, greedy and c.greedy_shortlist)
+        return (self.name, c.cpu_kernels, c.lean, c.native_layers, c.compact_weights, greedy and c.greedy_shortlist,
+                c.draft_precision, c.whole_chains)
 
     def installed(self, base: nn.Module, drafters: Sequence[nn.Module] = ()):
         c = self.cfg
@@ -53,16 +57,20 @@ class CpuEngine(EagerEngine):
         return native_layer.run_stack(fast, hidden, rope, mask, cache, keep, norm)
 
     def greedy_head(self, lm_head: nn.Linear):
-        return shortlist(lm_head) if self.cfg.greedy_shortlist else None
+        return shortlist(lm_head, forced=self.cfg.cpu_kernels == "native") if self.cfg.greedy_shortlist else None
 
     def race(self, owner: nn.Module, key: tuple) -> Race:
-        return self._races.setdefault(owner, {}).setdefault(key, Race())
+        """The whole chain against depth by depth: measured per drafter and key, unless the config decides it."""
+        c = self.cfg
+        decided = False if not c.whole_chains else True if c.cpu_kernels == "native" else None
+        return self._races.setdefault(owner, {}).setdefault(key, Race(decided))
 
     def feature_chain(self, drafter, parts, ctx, root, gamma, store, position_offset, stop=0.0):
         return native_chain.draft(drafter, parts, ctx, root, gamma, store, position_offset, stop)
 
     def feature_entries(self, drafter, parts, ctx, features, tokens, store, position_offset, otherwise):
-        return native_chain.entries(drafter, parts, ctx, features, tokens, store, position_offset, otherwise)
+        return native_chain.entries(drafter, parts, ctx, features, tokens, store, position_offset, otherwise,
+                                    self.race(drafter, ("entries",)))
 
     def head_chain(self, drafter, heads, embed, vocab, h, root, top=1):
         return native_chain.head_chain(drafter, heads, embed, vocab, h, root, top)

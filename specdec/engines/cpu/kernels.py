@@ -174,6 +174,9 @@ COMPACT_KEY = "~exact-"  # shape-key suffix (+ the form's kind) of a weight that
 # (a rounding candidate is checked against the product of the weight it rounded to, so to the exact tolerance)
 # (a candidate that rounds x too: compact.A8_TOLERANCE)
 TOLERANCE = {"exact": 1e-3, "bf16": 2e-2, "a8": compact.A8_TOLERANCE}
+# cpu_kernels=native: a shape's kernel, the first of these it is offered (the fewest bytes a weight: an exact compact
+# form, then the drafter's rounded copies as draft_precision allows, then float32 in smallm.c's packed layout)
+FORCED = ("native_compact", "native_q4a8", "native_q4", "native_q8", "native_packed_bf16", "native_packed")
 DEFAULT_CACHE = measure.cache_path("kernels.json")
 
 
@@ -182,7 +185,12 @@ class KernelTable:
 
     def __init__(self, path: Path | str | None = DEFAULT_CACHE, candidates: dict[str, Candidate] | None = None,
                  rows: tuple[int, ...] = ROWS, bf16: dict[str, Candidate] | None = None,
-                 compact: dict[str, Candidate] | None = None, quant: dict[str, Candidate] | None = None):
+                 compact: dict[str, Candidate] | None = None, quant: dict[str, Candidate] | None = None,
+                 forced: bool = False):
+        # forced (cpu_kernels=native): nothing is timed or stored; each shape takes the first of FORCED it offers that
+        # passes its check, each stack of native layers the first of FORCED_LAYERS it has (native_layer.attach)
+        self.forced = forced
+        path = None if forced else path
         self.path = Path(path).expanduser() if path is not None else None
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
         self.bf16 = dict(BF16 if bf16 is None else bf16)  # offered to shape keys with BF16_KEY
@@ -241,6 +249,11 @@ class KernelTable:
         by_shape: dict[str, list[torch.Tensor]] = {}
         for w in weights:
             by_shape.setdefault(_shape_key(w, bf16, compact, quant), []).append(w)
+        if self.forced:
+            for shape, ws in by_shape.items():
+                if shape not in self.choice:
+                    self.choice[shape] = self._forced(ws[0], self._offered(shape))
+            return
         t0 = time.perf_counter()
         stale = [s for s, ws in by_shape.items() if s in self.choice and s not in self._checked and self._stale(s, ws)]
         self._checked.update(by_shape)
@@ -273,6 +286,24 @@ class KernelTable:
             if stored not in fresh or fresh[stored] > RECHECK_FACTOR * min(fresh.values()):
                 return True
         return False
+
+    @torch.no_grad()
+    def _forced(self, weight: torch.Tensor, offered: dict[str, Candidate]) -> dict[int, str]:
+        """{row bucket: kernel} without timing: at every bucket the first of FORCED that `offered` holds and that
+        gives the product's numbers at one row and at a few (as `_time` checks them); "linear" where none does."""
+        x = torch.randn(5, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
+        for name in (n for n in FORCED if n in offered):
+            cand = offered[name]
+            tol = TOLERANCE["a8" if name in ROUNDS_INPUT else "bf16" if name in self.bf16 else "exact"]
+            try:  # a kernel missing from this build, or wrong, is left out
+                operand = cand.pack(weight) if cand.pack else weight
+                reference = F.linear(x, cand.rounded(weight) if cand.rounded else weight)
+                if all(torch.allclose(cand.run(x[:m], operand), reference[:m], rtol=tol,
+                                      atol=tol * float(reference[:m].abs().max())) for m in (1, 5)):
+                    return {rows: name for rows in self.rows}
+            except Exception:  # noqa: BLE001 — any failure means "not on this machine"
+                continue
+        return {rows: "linear" for rows in self.rows}
 
     @torch.no_grad()
     def _measure(self, weights: list[torch.Tensor],
@@ -335,6 +366,8 @@ class KernelTable:
         """{rows: kernel} for the row counts at which one kernel for every weight beats the per-shape choices over a
         pass of `weights` (a model's, in the order a forward multiplies with them); measured once per machine and
         model (cached with the table), after `prepare` (with the same `bf16` and `compact`)."""
+        if self.forced:
+            return {}
         keys = [_shape_key(w, bf16, compact, quant) for w in weights]
         model = hashlib.sha1(" ".join(keys).encode()).hexdigest()[:16]
         if model in self.uniform:
@@ -513,6 +546,17 @@ def default_table() -> KernelTable:
     if _TABLE is None:
         _TABLE = KernelTable()
     return _TABLE
+
+
+_FORCED_TABLE: KernelTable | None = None
+
+
+def forced_table() -> KernelTable:
+    """The process-wide table of cpu_kernels=native: the native kernels without measuring (KernelTable's `forced`)."""
+    global _FORCED_TABLE
+    if _FORCED_TABLE is None:
+        _FORCED_TABLE = KernelTable(forced=True)
+    return _FORCED_TABLE
 
 
 @contextmanager

@@ -159,12 +159,12 @@ def draft(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, root: tor
 
 def entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, features: torch.Tensor,
             tokens: torch.Tensor, store: str, position_offset: int,
-            otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+            otherwise: Callable[[], torch.Tensor], race: Race) -> torch.Tensor:
     """The drafter's real entries in the context's current layout: otherwise() (its `run_layers(blocks,
     step_input(features, embed(tokens)), store, position_offset)`) -> the layers' output [1, n, H], their keys and values
     written to `store`; as one native call where chain.c takes it (see `_native_entries`) and, timed against
-    otherwise() over the drafter's first calls, that is the faster way here (`Race`)."""
-    race = _RACES.setdefault(drafter, Race())
+    otherwise() over the drafter's first calls, that is the faster way here (`race`: the engine's, which the config
+    may have decided)."""
     start = time.perf_counter()
     if race.first():
         out = _native_entries(drafter, parts, ctx, features, tokens, store, position_offset)
@@ -177,7 +177,6 @@ def entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, feature
     return out
 
 
-_RACES: weakref.WeakKeyDictionary[nn.Module, Race] = weakref.WeakKeyDictionary()  # drafter -> its entries' race
 
 
 def _native_entries(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, features: torch.Tensor,

@@ -381,6 +381,8 @@ def tune_prefetch(layers: list[NativeLayer]) -> dict[int, int]:
     return found
 
 
+# cpu_kernels=native: a stack's way, the first of these it has (the fewest bytes a weight, as kernels.FORCED)
+FORCED_LAYERS = ("compact", "q4a8", "q4", "q8", "native")
 RECHECK_FACTOR = 1.5  # as kernels.py's: a stored choice that now loses by this factor at one row is measured again
 _CHECKED: set[str] = set()  # stacks whose stored timings this process has re-checked
 
@@ -419,6 +421,9 @@ def attach(module: nn.Module, table, bf16: bool = False, exact: Collection[LeanL
                                           for l in by.values() for p in l.packed) for name, by in ways.items())
     key = hashlib.sha1((text + str(ROWS) + native.LAYER_SOURCE.read_text()).encode()).hexdigest()[:16]
     stacks = {name: list(by.values()) for name, by in ways.items()}
+    if table.forced:  # cpu_kernels=native: the first way of FORCED_LAYERS it has, at every row count, nothing timed
+        way = next(w for w in FORCED_LAYERS if w in ways)
+        return _attach(fasts, ways, [way] * max(ROWS))
     t0 = time.perf_counter()
     times = table.layers.get(key)
     if times is not None and key not in _CHECKED:  # once per process: does the stored choice still hold at 1 row?
@@ -446,7 +451,11 @@ def attach(module: nn.Module, table, bf16: bool = False, exact: Collection[LeanL
             table.save()
         for rows, ahead in table.prefetch[key].items():
             native.set_prefetch(rows, ahead)
-    picks = [fastest(n) for n in range(1, max(ROWS) + 1)]
+    return _attach(fasts, ways, [fastest(n) for n in range(1, max(ROWS) + 1)])
+
+
+def _attach(fasts: list[LeanLayer], ways: dict[str, dict[LeanLayer, NativeLayer]], picks: list[str]) -> list[LeanLayer]:
+    """Attach to each layer its form of the way picked for each row count 1..max(ROWS); the layers attached."""
     attached = []
     for f in fasts:
         rows = [None] + [ways[way].get(f) if way in ways else None for way in picks]

@@ -1,11 +1,11 @@
 """The prophet's greedy chain and its `observe` in one native call each (specdec/engines/cpu/chain.c via native_chain.py):
 the tokens, predicted features and acceptances of its PyTorch path (depth-by-depth `expand` calls, the blocks over the
 committed entries), lossless decoding, that path wherever a call is not taken, and the faster way kept by measurement
-(race.Race)."""
+(race.Race). Each test picks its path through the engine's config: cpu_kernels=native takes every native call it can,
+whole_chains=false drafts depth by depth (the reference each native call is checked against)."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 
 import pytest
@@ -15,7 +15,9 @@ from specdec.base import tiny_base
 from specdec.drafters.hydra import Hydra
 from specdec.drafters.prophet import Prophet
 from specdec.engines import measure as race
+from specdec.engines.config import EngineConfig
 from specdec.engines.cpu import kernels, native, native_chain, native_layer
+from specdec.engines.cpu.engine import CpuEngine
 from specdec.sampling import trees
 from specdec.sampling.decode import SamplerConfig, generate
 
@@ -30,17 +32,6 @@ CHAIN, DRAFT, ENTRIES = trees._greedy_chain, native_chain.draft, native_chain._n
 def base():
     # head_dim 16 (layer.c takes multiples of the vector width)
     return tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=3)
-
-
-@pytest.fixture
-def native_layers(monkeypatch):
-    """Measurement always picks the native layers (timings faked into a copy of the process-wide table, stored
-    nowhere), so that the prophet's block has its native form for one row."""
-    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
-        r: {"lean": 2.0, **{way: 1.0 for way in ways}} for r in counts})
-    shared = copy.copy(kernels.default_table())
-    shared.path, shared.layers = None, dict(shared.layers)
-    monkeypatch.setattr(kernels, "_TABLE", shared)
 
 
 PROMPT = list(range(40, 61))
@@ -70,11 +61,11 @@ def prophet(base, vocab: int | None, layers: int = 1) -> Prophet:
     return perturbed(base, Prophet(base, num_layers=layers, draft_vocab_size=vocab))
 
 
-def decode(base, drafter, monkeypatch, native_on: bool, **kw):
-    """generate() with the chain drafted and the entries observed in one native call each (native_on) or by the
-    drafter's PyTorch ops, recording each round's drafted tokens, the predicted features it left in the state, and
-    whether each native call ran (chains, entries)."""
-    monkeypatch.setattr(race.Race, "first", lambda self: native_on)
+def decode(base, drafter, monkeypatch, native_on: bool, native_layers: bool = True, **kw):
+    """generate() with the chain drafted and the entries observed in one native call each (native_on: the native
+    layers attached for every row count, cpu_kernels=native) or by the drafter's PyTorch ops (whole_chains=false),
+    recording each round's drafted tokens, the predicted features it left in the state, and whether each native call
+    ran (chains, entries)."""
     rounds, ran = [], ([], [])
 
     def recorded(drafter_, state, ctx, root, tree):
@@ -93,7 +84,8 @@ def decode(base, drafter, monkeypatch, native_on: bool, **kw):
     monkeypatch.setattr(trees, "_greedy_chain", recorded)
     monkeypatch.setattr(native_chain, "draft", counted(ran[0], DRAFT))
     monkeypatch.setattr(native_chain, "_native_entries", counted(ran[1], ENTRIES))
-    fast = auto_engine(draft_precision=kw.pop("draft_precision", "q8"))
+    fast = auto_engine(draft_precision=kw.pop("draft_precision", "q8"), whole_chains=native_on,
+                       native_layers=native_layers)
     cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], **{"gamma": 4} | kw)
     return generate(base, [PROMPT], drafter, cfg, engine=fast), rounds, ran
 
@@ -101,7 +93,7 @@ def decode(base, drafter, monkeypatch, native_on: bool, **kw):
 @needs_compiler
 @pytest.mark.parametrize("vocab, layers, precision, gamma", [(48, 1, "fp32", 4), (None, 2, "fp32", 3),
                                                             (48, 1, "q4", 4), (48, 1, "fp32", 1)])
-def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeypatch, vocab, layers, precision, gamma):
+def test_the_native_chain_drafts_what_expand_drafts(base, monkeypatch, vocab, layers, precision, gamma):
     """Round by round, the same drafted tokens and the same predicted features (to float32 rounding: sums in another
     order) as the chain's `expand` calls after `observe`'s blocks, so the same acceptances; and plain greedy decoding's
     tokens."""
@@ -121,7 +113,7 @@ def test_the_native_chain_drafts_what_expand_drafts(base, native_layers, monkeyp
 
 
 @needs_compiler
-def test_an_adaptive_chain_ends_in_the_native_call_where_expand_would_end_it(base, native_layers, monkeypatch):
+def test_an_adaptive_chain_ends_in_the_native_call_where_expand_would_end_it(base, monkeypatch):
     """Under an adaptive draft length (sampler.adaptive_threshold) the prophet's chain is one native call that stops
     after its first token of top-1 probability below the threshold: round by round the same tokens and the same
     length as the depth-by-depth loop of trees.draft_static, the same acceptances, and plain greedy decoding's
@@ -147,7 +139,6 @@ def test_an_adaptive_chain_ends_in_the_native_call_where_expand_would_end_it(bas
             return rnd
 
         with monkeypatch.context() as m:
-            m.setattr(race.Race, "first", lambda self: True)  # (declined calls are not timed)
             m.setattr(Prophet, "adaptive_chain", chain)
             m.setattr(decode_module, "draft_static", recorded)
             cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=4, adaptive_threshold=threshold)
@@ -167,7 +158,7 @@ def test_an_adaptive_chain_ends_in_the_native_call_where_expand_would_end_it(bas
 
 
 @needs_compiler
-def test_the_prophet_chain_reads_weights_changed_between_decodes(base, native_layers, monkeypatch):
+def test_the_prophet_chain_reads_weights_changed_between_decodes(base, monkeypatch):
     """The native chain is made once per decode: weights changed in place between decodes (training on: fc, the norms)
     are read by the next decode's chain and observe as by the PyTorch path."""
     drafter = prophet(base, 48)
@@ -186,15 +177,10 @@ def test_the_prophet_chain_reads_weights_changed_between_decodes(base, native_la
 
 @needs_compiler
 def test_without_native_layers_the_prophet_drafts_depth_by_depth(base, monkeypatch):
-    """No native layer for one row (measurement picked the lean ones), or no chain kernel in the library: the chain is
-    not taken, the draft runs depth by depth, and decoding stays lossless."""
-    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
-        r: {"lean": 1.0, **{way: 2.0 for way in ways}} for r in counts})
-    shared = copy.copy(kernels.default_table())
-    shared.path, shared.layers = None, dict(shared.layers)
-    monkeypatch.setattr(kernels, "_TABLE", shared)
+    """No native layer for one row (native_layers=false), or no chain kernel in the library: the chain is not taken,
+    the draft runs depth by depth, and decoding stays lossless."""
     drafter = prophet(base, 48)
-    out, rounds, (chains, entries) = decode(base, drafter, monkeypatch, True)
+    out, rounds, (chains, entries) = decode(base, drafter, monkeypatch, True, native_layers=False)
     assert chains and entries and not any(chains + entries) and out.tokens.tolist() == plain(base)
 
     class Older:  # a library built from an older revision: no chain.c
@@ -233,7 +219,7 @@ def test_the_faster_way_is_kept():
 
 
 @needs_compiler
-def test_a_prophet_on_a_batch_drafts_depth_by_depth(base, native_layers):
+def test_a_prophet_on_a_batch_drafts_depth_by_depth(base):
     """Several rows: chain.c takes one; the batch drafts depth by depth, losslessly."""
     drafter = prophet(base, 48)
     prompts = [PROMPT, list(range(70, 85))]
@@ -275,8 +261,8 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
         rounds.clear()
         results = []
         for native_on in (True, False):
-            monkeypatch.setattr(race.Race, "first", lambda self, v=native_on: v)
-            results.append(generate(base, [PROMPT], drafter, cfg, engine=auto_engine(draft_precision=precision)))
+            fast = auto_engine(draft_precision=precision, whole_chains=native_on)
+            results.append(generate(base, [PROMPT], drafter, cfg, engine=fast))
         half = len(rounds) // 2
         assert len(rounds) == 2 * half and [t.tolist() for t in rounds[:half]] == [t.tolist() for t in rounds[half:]]
         assert results[0].accepted == results[1].accepted
@@ -294,20 +280,16 @@ def test_hydra_heads_in_one_call_draft_what_expand_drafts(base, monkeypatch, voc
 
 @needs_compiler
 def test_hydra_heads_under_q4a8_multiply_int8_inputs_in_the_native_call(base, monkeypatch):
-    """draft_precision=q4a8 where the kernel table picks its kernel for every linear of the heads: chain.c multiplies
-    from those q4a8 copies (its Q4A8 form), drafting what the PyTorch ops on the same copies draft, losslessly."""
-    table = kernels.KernelTable(None, rows=(1, 2, 4), quant=kernels.QUANT)  # (q4a8's offered even without VNNI)
-    measured = table._time
-    monkeypatch.setattr(table, "_time", lambda *a: {n: 0.0 if n == "native_q4a8" else t
-                                                    for n, t in measured(*a).items()})
-    monkeypatch.setattr(table, "arbitrate", lambda *a, **k: {})  # (no one kernel for all the heads' products)
-    monkeypatch.setattr(kernels, "_TABLE", table)
+    """draft_precision=q4a8 where the kernel table picks its kernel for every linear of the heads (cpu_kernels=native:
+    the most rounded copy offered): chain.c multiplies from those q4a8 copies (its Q4A8 form), drafting what the
+    PyTorch ops on the same copies draft, losslessly."""
+    table = kernels.KernelTable(None, rows=(1, 2, 4), quant=kernels.QUANT, forced=True)  # (q4a8's even without VNNI)
     drafter = perturbed(base, Hydra(base, num_heads=2, draft_vocab_size=48))
     cfg = SamplerConfig(max_new_tokens=16, eos_token_id=[], gamma=2)
     runs = []
     for native_on in (True, False):
-        monkeypatch.setattr(race.Race, "first", lambda self, v=native_on: v)
-        runs.append(generate(base, [PROMPT], drafter, cfg, engine=auto_engine(draft_precision="q4a8")))
+        fast = CpuEngine(EngineConfig(cpu_kernels="native", draft_precision="q4a8", whole_chains=native_on), table)
+        runs.append(generate(base, [PROMPT], drafter, cfg, engine=fast))
     chain = native_chain._HEADS[drafter][2]
     linears = [l for s in chain.structs for l in (s.in_proj, s.head)]
     assert {l.form for l in linears} == {native_layer.FORMATS["q4a8"]}

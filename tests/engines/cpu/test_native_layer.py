@@ -5,7 +5,6 @@ picks it, and the lean layer wherever it is missing."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import shutil
 
 import pytest
@@ -36,8 +35,9 @@ def base():
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Measurement always picks the native layers; yields a list with an entry per native call made while decoding
-    (a whole stack or one layer; True where it ran, False where layer.c refused it), not counting the checks."""
+    """A list with an entry per native call made while decoding (a whole stack or one layer; True where it ran, False
+    where layer.c refused it), not counting the checks; the tables below and the engines (cpu_kernels=native) attach
+    the native layers at every row count, unmeasured."""
     calls, checking = [], []
     call, run_stack, agrees = native_layer.NativeLayer.__call__, native_layer.run_stack, native_layer.agrees
 
@@ -63,19 +63,13 @@ def forced(monkeypatch):
     monkeypatch.setattr(native_layer.NativeLayer, "__call__", counted)
     monkeypatch.setattr(native_layer, "run_stack", counted_stack)
     monkeypatch.setattr(native_layer, "agrees", checked)
-    monkeypatch.setattr(native_layer, "measure",
-                        lambda natives, reps=3, counts=native_layer.ROWS: {r: {"lean": 2.0, "native": 1.0}
-                                                                             for r in counts})
-    # generate()'s own measured_kernels takes the process-wide table: here a copy stored nowhere, with its own layer
-    # timings, so these fake ones never reach the machine's cached table (its kernel choices are shared: real ones)
-    shared = copy.copy(kernels.default_table())
-    shared.path, shared.layers = None, dict(shared.layers)
-    monkeypatch.setattr(kernels, "_TABLE", shared)
     return calls
 
 
-def table() -> KernelTable:
-    return KernelTable(None, rows=(1, 2, 4, 8, 16))  # measured afresh, stored nowhere
+def table(forced: bool = True) -> KernelTable:
+    """cpu_kernels=native's table (the native kernels and layers, nothing timed), or one measured afresh; stored
+    nowhere."""
+    return KernelTable(None, rows=(1, 2, 4, 8, 16), forced=forced)
 
 
 def run(base, native_on: bool, prompt: list[int], tree: bool):
@@ -203,7 +197,7 @@ def test_chosen_by_measurement_and_stored(base, monkeypatch):
         return {r: dict(verdict) for r in counts}
 
     monkeypatch.setattr(native_layer, "measure", fake)
-    t = table()
+    t = table(forced=False)
     assert native_layer.attach(base, t) == [] and all(native_layer.native_of(f) is None for f in lean_layers(base))
     assert measured == [native_layer.ROWS] and len(t.layers) == 1
     verdict.update(native=0.5)  # now faster: the stored choice loses its re-check by more than RECHECK_FACTOR
@@ -290,18 +284,17 @@ def test_smollm2_greedy_identical_to_hf_with_native_layers(forced):
 
 @needs_compiler
 @pytest.mark.parametrize("kind", ["q8", "q4", "q4a8"])
-def test_a_drafter_under_block_rounding_gets_its_native_layer_in_blocks(base, forced, monkeypatch, kind):
+def test_a_drafter_under_block_rounding_gets_its_native_layer_in_blocks(base, forced, kind):
     """draft_precision=q8 / q4 / q4a8: the drafter's block may also run natively from Q8_0 / Q4_1 blocks of its weights
     (layer.c's q8 / q4 form, checked to float32 rounding against its lean forward on the rounded numbers; q4a8's, whose
-    products also round their inputs to int8, to that rounding) where that way measures fastest; the base's layers stay
+    products also round their inputs to int8, to that rounding) where that way is chosen; the base's layers stay
     exact, and decoding stays lossless."""
-    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
-        r: {"lean": 3.0, **{way: 2.0 if way != kind else 1.0 for way in ways}} for r in counts})
     drafter = EarlyExit(base, exit_layers=[1], num_extra_layers=1).eval()
     block = lean(drafter.exits[0].blocks[0])
     prompts = [list(range(30, 49))]
     cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3)
-    every = KernelTable(None, rows=(1, 2, 4, 8, 16), quant=kernels.QUANT)  # (q4a8's offered even without VNNI)
+    # (q4a8's offered even without VNNI; forced: each stack's way the most rounded it has, the kind's)
+    every = KernelTable(None, rows=(1, 2, 4, 8, 16), quant=kernels.QUANT, forced=True)
     with measured_kernels(base, drafter, table=every, bf16=[drafter], quant=kind):
         assert native_layer.native_of(block) is not None and native_layer.native_of(block).form == kind and native_layer.native_of(block).rounded
         assert all(isinstance(p, Compact) and p.kind == kind for p in native_layer.native_of(block).packed)
