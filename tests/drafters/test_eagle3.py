@@ -1,5 +1,6 @@
 """EAGLE-3: which base layers, tokens and own outputs each TTT step reads, the tensor names the serving formats use,
-sampling == training on a tree and a chain inside `generate`, and lossless greedy drafting."""
+sampling == training on a tree and a chain inside `generate`, and lossless greedy drafting; the same with each of
+EAGLE-3.1's switches (fc_norm, norm_output), and what each switch changes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from specdec.sampling.decode import SamplerConfig, generate
 
 T = 8
 AUX = [1, 2, 3]
+# EAGLE-3 and EAGLE-3.1's two switches, each alone (speculators' --fc-norm, --norm-output)
+VARIANTS = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_output": {"norm_output": True}}
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +96,9 @@ def test_steps_read_the_three_layers_and_their_own_outputs(base):
         assert torch.equal(moved, s <= t + j + 1), f"token {s}"
 
 
-def test_sampling_matches_training_on_a_tree(base):
-    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=None, aux_layers=AUX))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sampling_matches_training_on_a_tree(base, variant):
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=None, aux_layers=AUX, **VARIANTS[variant]))
     ids, feats = data(base, d)
     p = 4
     ctx = SamplingContext(base, 2, 32, auto_engine())
@@ -131,11 +135,12 @@ def test_sampling_matches_training_on_a_tree(base):
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41]]
 
 
-@pytest.fixture(scope="module")
-def trained(base):
-    """A few Adam steps on the base's own greedy continuations, so drafts get accepted (partial, ragged)."""
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def trained(base, request):
+    """A few Adam steps on the base's own greedy continuations, so drafts get accepted (partial, ragged); once per
+    variant, so that every test below runs with each switch."""
     torch.manual_seed(0)
-    d = Eagle3(base, ttt_steps=4, draft_vocab_size=None, aux_layers=AUX)
+    d = Eagle3(base, ttt_steps=4, draft_vocab_size=None, aux_layers=AUX, **VARIANTS[request.param])
     ref = generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=40, eos_token_id=[]), engine=auto_engine())
     ids = torch.tensor([p[-2:] + t for p, t in zip(PROMPTS, ref.tokens.tolist())])
     feats = base.features(ids, layers=d.feature_layers)
@@ -195,3 +200,57 @@ def test_generate_drafts_exactly_the_training_logits(base, trained):
         ids = torch.tensor([committed + path])
         expected = rec.unroll(rec.real_feature(base.features(ids, layers=rec.feature_layers).hidden), ids, len(path))
         torch.testing.assert_close(logits, expected[0, len(committed) - 1, len(path) - 1])
+
+
+def test_eagle31_switches_add_their_norms_and_are_saved(base):
+    h = base.hidden_size
+    off = Eagle3(base, ttt_steps=2, draft_vocab_size=64, aux_layers=AUX)
+    on = Eagle3(base, ttt_steps=2, draft_vocab_size=64, aux_layers=AUX, fc_norm=True, norm_output=True)
+    extra = {k: tuple(v.shape) for k, v in on.state_dict().items() if k not in off.state_dict()}
+    assert extra == {f"fc_norm.{i}.weight": (h,) for i in range(3)}  # one norm per fused layer, not one shared
+    assert len({p.data_ptr() for p in on.fc_norm.parameters()}) == 3
+    assert not off.hparams["fc_norm"] and not off.hparams["norm_output"]  # the default is EAGLE-3
+    assert on.hparams["fc_norm"] and on.hparams["norm_output"]  # (checkpoints rebuild the drafter from hparams)
+
+
+def with_weights_of(d: Eagle3, **switches) -> Eagle3:
+    """The same drafter with switches flipped: every shared weight equal (fc_norm's own start at one)."""
+    other = Eagle3(d.base, **(d.hparams | switches))
+    other.load_state_dict(d.state_dict(), strict=False)
+    return other
+
+
+def test_fc_norm_normalises_each_fused_layer_before_fc(base):
+    """A switch silently ignored fails here: fc_norm changes every step's logits, and makes them blind to the scale of
+    each fused layer's hidden state (an RMSNorm on each, before fc), where EAGLE-3's are not."""
+    off = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=None, aux_layers=AUX))
+    on = with_weights_of(off, fc_norm=True)
+    ids, feats = data(base, off)
+    # (the tiny base's states have a mean square of ~5e-4: at 100x the norms' eps, 1e-6, is out of the picture)
+    feats = Features({k: v * 100 for k, v in feats.hidden.items()}, None)
+    ref_off, ref_on = off.forward_train(feats, ids).logits, on.forward_train(feats, ids).logits
+    assert ((ref_on - ref_off).abs().amax(dim=(0, 1, 3)) > 1e-3).all()  # every step
+    for layer in AUX:
+        hidden = dict(feats.hidden) | {layer: feats.hidden[layer] * 3.0}
+        scaled = Features(hidden, None)
+        torch.testing.assert_close(on.forward_train(scaled, ids).logits, ref_on, rtol=1e-4, atol=1e-5)
+        assert (off.forward_train(scaled, ids).logits - ref_off).abs().amax() > 1e-3
+
+
+def test_norm_output_feeds_the_normed_output_to_the_next_step(base):
+    """norm_output leaves step 0 as it is and changes every later step; the g each later step reads is norm(out):
+    with the final norm's weight set to c, every row of it has RMS c, where EAGLE-3 feeds the raw output."""
+    off = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=None, aux_layers=AUX))
+    on = with_weights_of(off, norm_output=True)
+    ids, feats = data(base, off)
+    lo, ln = off.forward_train(feats, ids).logits, on.forward_train(feats, ids).logits
+    torch.testing.assert_close(ln[:, :, 0], lo[:, :, 0])
+    assert ((ln - lo).abs().amax(dim=(0, 1, 3))[1:] > 1e-3).all()
+    for d, normed in [(off, False), (on, True)]:
+        fed = []
+        d.step_input = lambda g, emb, d=d: fed.append(g) or Eagle3.step_input(d, g, emb)
+        with torch.no_grad():
+            d.norm.weight.fill_(0.7)
+        d.forward_train(feats, ids)
+        rms = torch.stack([g.pow(2).mean(-1).sqrt() for g in fed[1:]])  # the steps after the first
+        assert torch.allclose(rms, torch.full_like(rms, 0.7), atol=1e-4) == normed
