@@ -32,6 +32,8 @@ def converter() -> Path:
 def write(d, out: Path, source: str) -> None:
     from specdec.export import draft_model, eagle3  # (the HF-layout writers this converts from)
 
+    if isinstance(d, Eagle3):
+        eagle3.refuse_eagle31(d, "llama.cpp's converter (conversion/llama.py)")
     script = converter()
     with tempfile.TemporaryDirectory() as tmp:
         extra = []
