@@ -97,13 +97,14 @@ def of_type(value, kind: str) -> bool:
     return any(JSON_TYPES[k](value) for k in kind.split("|"))
 
 
-def test_speculators_export_is_what_its_eagle3_model_loads(base, tmp_path):
+@pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_speculators_export_is_what_its_eagle3_model_loads(base, tmp_path, switches):
     """Against tests/fixtures/speculators_eagle3.json: the config fields and types, the decoder layer's config and the
     state dict (names, shapes, dtypes) of speculators 0.9.0's Eagle3SpeculatorConfig and Eagle3DraftModel, transcribed
     from its source (the fixture names the files), the version `make interop` loads our export with. Pydantic drops
     a config key it does not know without a word, and a tensor its model lacks is only a warning: here either fails."""
     spec = json.loads(FIXTURE.read_text())
-    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3]), vocab=50)
+    d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3], **switches), vocab=50)
     out = export(d, "speculators", tmp_path / "s")
     cfg = json.loads((out / "config.json").read_text())
     fields = spec["config"]["fields"]
@@ -130,7 +131,8 @@ def test_speculators_export_is_what_its_eagle3_model_loads(base, tmp_path):
     sizes = {"H": layer["hidden_size"], "I": layer["intermediate_size"], "V": layer["vocab_size"],
              "Vd": cfg["draft_vocab_size"], "Q": layer["num_attention_heads"] * layer["head_dim"],
              "KV": layer["num_key_value_heads"] * layer["head_dim"], "A": len(aux)}
-    flags = {"Vd != V": sizes["Vd"] != sizes["V"], "norm_before_fc": cfg.get("norm_before_fc", False)}
+    flags = {"Vd != V": sizes["Vd"] != sizes["V"], "norm_before_fc": cfg.get("norm_before_fc", False),
+             "fc_norm": cfg.get("fc_norm", False)}
     theirs = {k: t for k, t in spec["state_dict"]["tensors"].items() if flags.get(t.get("when"), True)}
     ours = load_file(out / "model.safetensors")
     assert set(ours) <= set(theirs) - set(spec["state_dict"]["never_saved"]), set(ours) - set(theirs)
@@ -139,6 +141,48 @@ def test_speculators_export_is_what_its_eagle3_model_loads(base, tmp_path):
         want = theirs[name]
         assert list(t.shape) == [eval(dim, {}, sizes) for dim in want["shape"]], name  # noqa: S307 (the fixture's)
         assert str(t.dtype).removeprefix("torch.") == want.get("dtype", str(t.dtype).removeprefix("torch.")), name
+
+
+def test_eagle31_exports_its_switches_and_round_trips(base, tmp_path):
+    """EAGLE-3.1 to speculators: `fc_norm` and `norm_output` true in config.json (speculators' Eagle3SpeculatorConfig
+    fields, which vLLM's update_eagle3 in vllm/transformers_utils/configs/speculators/algos.py passes on by the same
+    names), its norms as fc_norm.{0,1,2}.weight (Eagle3DraftModel's names, src/speculators/models/eagle3/core.py),
+    and back to the same switches, weights and logits: different from the same weights read as EAGLE-3."""
+    for switches in [{"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]:
+        d = randomized(Eagle3(base, ttt_steps=3, draft_vocab_size=50, aux_layers=[1, 2, 3], **switches), vocab=50)
+        out = export(d, "speculators", tmp_path / "_".join(switches))
+        cfg = json.loads((out / "config.json").read_text())
+        assert {k: cfg[k] for k in ("fc_norm", "norm_output", "norm_before_fc")} == {
+            "fc_norm": "fc_norm" in switches, "norm_output": "norm_output" in switches, "norm_before_fc": False}
+        t = load_file(out / "model.safetensors")
+        norms = sorted(k for k in t if k.startswith("fc_norm."))
+        assert norms == ([f"fc_norm.{i}.weight" for i in range(3)] if "fc_norm" in switches else [])
+        assert all(torch.equal(t[k], d.state_dict()[k]) for k in norms)
+        back = load(out, base)
+        assert (back.fc_norm is not None, back.norm_output) == ("fc_norm" in switches, "norm_output" in switches)
+        assert back.hparams["fc_norm"] == ("fc_norm" in switches) and back.hparams["norm_output"] == (
+            "norm_output" in switches)
+        same_logits(d, back, base)
+        plain = dict(cfg, fc_norm=False, norm_output=False)  # a reader that dropped the switches
+        (out / "config.json").write_text(json.dumps(plain))
+        save_file({k: v for k, v in t.items() if not k.startswith("fc_norm.")}, out / "model.safetensors")
+        with pytest.raises(AssertionError):
+            same_logits(d, load(out, base), base)
+
+
+def test_eagle31_goes_to_no_layout_that_drops_its_switches(base, tmp_path):
+    """SGLang's layout and llama.cpp's converter (its conversion/llama.py reads norm_before_residual, not fc_norm or
+    norm_output) would draft as EAGLE-3: refused in one line, both ways."""
+    d = randomized(Eagle3(base, ttt_steps=2, draft_vocab_size=50, aux_layers=[1, 2, 3], norm_output=True), vocab=50)
+    for fmt in ("sglang", "gguf"):
+        with pytest.raises(CheckpointError, match=r"with norm_output \(EAGLE-3.1\) exports to speculators only"):
+            export(d, fmt, tmp_path / fmt)
+    out = export(randomized(Eagle3(base, ttt_steps=2, draft_vocab_size=50, aux_layers=[1, 2, 3])), "sglang",
+                 tmp_path / "g")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"fc_norm": True}))
+    with pytest.raises(CheckpointError, match="fc_norm / norm_output \\(EAGLE-3.1\\) are read from the speculators"):
+        load(out, base)
 
 
 def test_sglang_layout_is_what_its_loader_reads(base, tmp_path):
