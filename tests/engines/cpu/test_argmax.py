@@ -55,8 +55,7 @@ def test_rows_bfloat16_cannot_tell_apart():
 @needs_compiler
 def test_greedy_identical_through_the_shortlist(monkeypatch):
     base = tiny_base()
-    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [True] * 65)  # always take it
-    calls = []
+    calls = []  # (the tests' engines take it at every row count it is for: cpu_kernels=native)
     run = Shortlist.argmax
     monkeypatch.setattr(Shortlist, "argmax", lambda self, h: calls.append(1) or run(self, h))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
@@ -92,9 +91,14 @@ def test_slower_means_not_used(monkeypatch):
 
 
 @needs_compiler
+def test_forced_means_every_row_count_it_is_for():
+    head = argmax.shortlist(tiny_base().lm_head, forced=True)  # cpu_kernels=native: nothing measured
+    assert all(head.wins(n) for n in range(1, max(argmax.ROWS) + 1)) and not head.wins(max(argmax.ROWS) + 1)
+
+
+@needs_compiler
 def test_off_and_sampling_mean_logits(monkeypatch):
     base = tiny_base()
-    monkeypatch.setattr(argmax, "_wins", lambda made, lm_head: [True] * 17)
     monkeypatch.setattr(Shortlist, "argmax", lambda self, h: pytest.fail("the shortlist ran"))
     prompts = [[5, 6, 7, 8, 9]]
     generate(base, prompts, None, SamplerConfig(max_new_tokens=4, eos_token_id=[]),

@@ -140,7 +140,7 @@ def test_the_prefetch_distance_changes_no_product_and_is_set_per_block_height():
 
 
 @needs_compiler
-def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and_stack(compact_forced, monkeypatch):
+def test_the_prefetch_distance_is_measured_per_block_height_once_per_machine_and_stack(compact_wins, monkeypatch):
     """native_layer.tune_prefetch: per block height, the distance at which a pass through a base's compact native
     stack is fastest, if it beats the compiled default by PREFETCH_MARGIN; skipped for a stack that would not stream
     from memory and where the library cannot set it; attach (through measured_kernels) measures it once per machine and
@@ -221,10 +221,22 @@ def quantised(kind: str = "q4"):
 
 
 @pytest.fixture
-def compact_forced(monkeypatch):
+def compact_wins(monkeypatch):
     """Measurement always picks the compact forms: the native layers' (over the lean and the float32 ones) and the
-    kernel table's (over every other candidate, for the products outside the layers: the lm_head). Yields the forms
-    of the native layers that ran as a stack (what the sampler calls for a batch of one), one entry per layer."""
+    kernel table's (over every other candidate, for the products outside the layers: the lm_head)."""
+
+    def fake_time(self, weights, rows, passes, offered):
+        return {name: 0.5 if name == "native_compact" else 1.0 for name in offered}
+
+    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
+        r: {"lean": 3.0, **{way: 1.0 if way == "compact" else 2.0 for way in ways}} for r in counts})
+    monkeypatch.setattr(KernelTable, "_time", fake_time)
+
+
+@pytest.fixture
+def compact_forced(monkeypatch):
+    """The forms of the native layers that ran as a stack (what the sampler calls for a batch of one), one entry per
+    layer; the tables below and the engines (cpu_kernels=native) take the compact forms wherever a weight has one."""
     ran = []
     run_stack = native_layer._run_stack
 
@@ -232,16 +244,7 @@ def compact_forced(monkeypatch):
         ran.extend(layer.form for layer in layers)
         return run_stack(layers, *args, **kwargs)
 
-    def fake_time(self, weights, rows, passes, offered):
-        return {name: 0.5 if name == "native_compact" else 1.0 for name in offered}
-
     monkeypatch.setattr(native_layer, "_run_stack", counted_stack)
-    monkeypatch.setattr(native_layer, "measure", lambda ways, reps=3, counts=native_layer.ROWS: {
-        r: {"lean": 3.0, **{way: 1.0 if way == "compact" else 2.0 for way in ways}} for r in counts})
-    monkeypatch.setattr(KernelTable, "_time", fake_time)
-    # generate()'s own measured_kernels takes the process-wide table: one stored nowhere, so the fake timings above
-    # never reach the machine's cached table
-    monkeypatch.setattr(kernels, "_TABLE", KernelTable(None, rows=(1, 2, 4, 8, 16)))
     return ran
 
 
@@ -258,7 +261,7 @@ def test_decoding_from_compact_forms_is_greedy_identical(compact_forced, kw):
     prompts = [list(range(30, 49))]
     cfg = SamplerConfig(max_new_tokens=12, eos_token_id=[], **kw)
     stock = generate(base, prompts, drafter, cfg, engine=auto_engine(name="eager"))
-    with measured_kernels(base, *([drafter] if drafter else []), table=KernelTable(None, rows=(1, 2, 4, 8, 16))):
+    with measured_kernels(base, *([drafter] if drafter else []), table=KernelTable(None, rows=(1, 2, 4, 8, 16), forced=True)):
         assert all(native_layer.rows_of(f)[1].form == "compact" for f in lean_layers(base))
         assert compact.form(base.lm_head.weight).kind == "q8"
         got = generate(base, prompts, drafter, cfg, engine=auto_engine())
@@ -281,7 +284,7 @@ def test_smollm2_holds_its_gguf_blocks_and_decodes_greedy_identical_to_hf(compac
     ids = base.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                          return_tensors="pt").input_ids
     hf = base.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
-    with measured_kernels(base, table=KernelTable(None, rows=(1, 2, 4, 8, 16))):
+    with measured_kernels(base, table=KernelTable(None, rows=(1, 2, 4, 8, 16), forced=True)):
         ours = generate(base, ids.tolist(), None, SamplerConfig(max_new_tokens=24, eos_token_id=[]),
                         engine=auto_engine())
     assert compact_forced and set(compact_forced) == {"compact"}
