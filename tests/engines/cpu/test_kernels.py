@@ -245,3 +245,31 @@ def test_a_drafters_norm_may_be_one_native_call_within_float32_rounding():
     torch.testing.assert_close(drafting(x), norm(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(drafting(x.view(3, 1, 576)), norm(x).view(3, 1, 576), rtol=1e-5, atol=1e-6)
     assert norm_form(norm.double(), exact=False) is norm
+
+
+@pytest.mark.parametrize("precision", ["fp32", "q8"])
+def test_cpu_kernels_native_measures_nothing_and_decodes_as_the_reference(tiny, monkeypatch, precision):
+    """cpu_kernels=native (what the test suite runs): every shape takes its first native kernel that passes the check,
+    the native layers attach at every row count, nothing is timed or stored; greedy decoding, plain and speculative,
+    gives the eager engine's tokens."""
+    from specdec.drafters.medusa import Medusa
+    from specdec.engines.cpu import native, native_layer
+
+    monkeypatch.setattr(KernelTable, "_time", lambda *a, **k: pytest.fail("a forced table timed a kernel"))
+    monkeypatch.setattr(native_layer, "measure", lambda *a, **k: pytest.fail("a forced table timed a layer"))
+    drafter = Medusa(tiny, num_heads=2)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    prompts = [[5, 9, 12, 40, 7], [3, 4]]
+    cfg = SamplerConfig(max_new_tokens=10, gamma=2, eos_token_id=[])
+    want = generate(tiny, prompts, drafter, cfg, engine=auto_engine(name="eager")).tokens
+    table = KernelTable(None, forced=True)
+    with measured_kernels(tiny, drafter, table=table, bf16=[drafter] if precision != "fp32" else (),
+                          quant="" if precision == "fp32" else precision):
+        kinds = {k for c in table.choice.values() for k in c.values()}
+        if native.available():
+            assert kinds <= {"native_packed", "native_packed_bf16", "native_q8"} and "native_packed" in kinds
+        got = generate(tiny, prompts, drafter, cfg, engine=auto_engine(draft_precision=precision)).tokens
+    assert table.measure_s == 0 and table.timings == {} and table.path is None
+    assert torch.equal(got, want)
