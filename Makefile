@@ -43,6 +43,8 @@ peers: setup
 	$(PY) -m pip install -q $(CONSTRAINTS) sentencepiece
 
 # The suite a newcomer waits for (the tests marked `long`, each over ~30 s here, are left to test-long; CI runs both).
+# Its engines force the fast paths (tests/conftest.py: engine cpu_kernels=native), so it never measures kernels, on a
+# fresh machine either: make bench does.
 test: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 -m "not long" tests
 
