@@ -8,7 +8,8 @@ whole block of masked positions, conditioned on the base's hidden states injecte
   root). The block's queries attend to the context strictly before a and to the whole block (bidirectional), through
   the base's own decoder-layer class; then norm and the vocab head. Block index k (k ≥ 1) proposes token a + k.
 - Training sees every position as an anchor at once: one block per position, each blind to the other blocks
-  (the trainer's entry j at position t is block index j + 1, target offset j: token t + 1 + j). Entries are weighted
+  (the trainer's entry j at position t is block index j + 1, target offset j: token t + 1 + j). The paper samples
+  anchors instead; with blocks of a few slots every anchor costs little more than the sampled ones would. Entries are weighted
   module.head_decay ** j, DFlash's exp(-(k-1)/γ) with head_decay = exp(-1/γ).
 - Sampling: `observe` writes the newly committed positions' context keys (DraftContext.write_keys); the first `expand`
   of a round (or `greedy_chain`) runs the block once; every depth reads its position's logits from that pass.
