@@ -184,8 +184,8 @@ def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, fan, mon
 def test_kv_rollback_matches_fresh_forward(base, prompts, kw):
     """After rejections, the base's cached verify logits of every committed position equal a no-cache forward
     over the accepted text: stale draft slots never leak into attention."""
-    oracle = Oracle(base, right_for=2)
-    r = generate(base, prompts, oracle, cfg(**kw), engine=auto_engine())
+    oracle = Oracle(base, right_for=2)  # (it reads the verify's logits: the engine computes them, no shortlist)
+    r = generate(base, prompts, oracle, cfg(**kw), engine=auto_engine(greedy_shortlist=False))
     for b, p in enumerate(prompts):
         text = torch.tensor([p + r.tokens[b].tolist()])
         fresh = base(text)[0]  # [T, V]
