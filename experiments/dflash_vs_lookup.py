@@ -8,7 +8,8 @@
    lookup alone, the methods taking turns prompt by prompt over `--passes` rotations.
 
 Every step is resumable (a finished cache is only checked, a finished training is kept). The reports land in
-experiments/results/dflash_vs_lookup/<cpu>/ with choice.json (the tuning split's rows and the γ chosen):
+experiments/results/dflash_vs_lookup/<cpu>/ with choice.json (the tuning split's rows and the γ chosen) and
+train_result.json and train_metrics.csv (the drafter's validation metrics, at the end and along training):
 
     python experiments/dflash_vs_lookup.py [--steps 900] [--passes 2] [--prompts 10]
 """
@@ -72,6 +73,9 @@ def main() -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for f in ("report.md", "results.json"):
         shutil.copy(logs / f"report_g{chosen}" / f, dest / f)
+    shutil.copy(train / "result.json", dest / "train_result.json")  # the validation metrics at the end of training
+    curve = next((train / "csv").rglob("metrics.csv"))  # every logged metric, validation every 150 steps
+    shutil.copy(curve, dest / "train_metrics.csv")
     rows = {g: {r["method"]: {k: r[k] for k in ("tau", "tok_per_s", "speedup_vs_ar")} for r in t["rows"]}
             for g, t in tuning.items()}
     (dest / "choice.json").write_text(json.dumps({"steps": a.steps, "chosen_gamma": chosen, "tuning": rows,
