@@ -54,8 +54,8 @@ test-long: setup
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
 # completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
 # drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval's reporting split: the heads
-# drafting a chain of one token (configs/sampler/demo.yaml and configs/engine/demo.yaml: what measured best against
-# our AR loop on a 2-core CPU, on the tuning split) alone and with n-gram lookup rounds, lookup alone, our plain AR
+# drafting a chain of one token (configs/sampler/demo.yaml and configs/engine/demo.yaml, chosen on problems 0-9, the
+# prompts the demo reports on, not on the tuning split) alone and with n-gram lookup rounds, lookup alone, our plain AR
 # loop, and llama.cpp on the same GGUF, plain and with its own n-gram speculation; DEMO_PASSES rotations, each
 # answer checked against HF generate in float32 (untimed); prints the table.
 # Each run: logs/demo/<time>/; DEMO_SAVE=<dir> also copies its report.md and results.json there (the committed
