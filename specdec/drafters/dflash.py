@@ -4,15 +4,16 @@ whole block of masked positions, conditioned on the base's hidden states injecte
 - Context: for every committed position t, c_t = hidden_norm(fc([a^{l_1}_t; …; a^{l_k}_t])) (k·H -> H, no bias),
   a^l the input of base layer l (HF hidden_states[l]). Each draft layer reads c_t through its own k_proj / v_proj
   (no input norm: c_t is normed already), rotated at position t: keys and values only, never a query.
-- Block: [anchor, MASK × (b − 1)] at positions a .. a + b − 1, the anchor the newest token the base emitted (the round's
-  root). The block's queries attend to the context strictly before a and to the whole block (bidirectional), through
-  the base's own decoder-layer class; then norm and the vocab head. Block index k (k ≥ 1) proposes token a + k.
+- Block: [anchor, MASK × (b − 1)] at positions a .. a + b − 1, the anchor the newest token the base emitted (the
+  round's root). The block's queries attend to the context strictly before a and to the whole block (bidirectional),
+  through the base's own decoder-layer class; then norm and the vocab head. Block index k (k ≥ 1) proposes a + k.
 - Training sees every position as an anchor at once: one block per position, each blind to the other blocks
   (the trainer's entry j at position t is block index j + 1, target offset j: token t + 1 + j). The paper samples
-  anchors instead; with blocks of a few slots every anchor costs little more than the sampled ones would. Entries are weighted
-  module.head_decay ** j, DFlash's exp(-(k-1)/γ) with head_decay = exp(-1/γ).
-- Sampling: `observe` writes the newly committed positions' context keys (DraftContext.write_keys); the first `expand`
-  of a round (or `greedy_chain`) runs the block once; every depth reads its position's logits from that pass.
+  anchors instead; anchoring every position trains on every block the data offers, at one block's cost per position
+  (the trainer's losses are per position). Entries are weighted module.head_decay ** j, DFlash's exp(-(k-1)/γ) with
+  head_decay = exp(-1/γ).
+- Sampling: `observe` writes the newly committed positions' context keys (DraftContext.write_keys); the first
+  `expand` of a round (or `greedy_chain`) runs the block once; every depth reads its position's logits from that pass.
 
 The token embeddings and the mask token's embedding are the base's, frozen; the vocab head is the base's lm_head
 (frozen, its draft-vocab rows with a draft vocab) unless own_lm_head. A fresh drafter starts from the base's last
@@ -156,7 +157,8 @@ class DFlash(Drafter):
     def draft_block(self, state, ctx: DraftContext) -> torch.Tensor:
         """The round's block in one pass: the anchor and a mask for each depth the round drafts (ctx.draft_depth, at
         most block_size − 1) -> logits [B, depth, V_d], kept for the round's later depths. Its size is the sampler's
-        depth, never how the round is drafted: the block is bidirectional, so its size changes every position's logits."""
+        depth, never how the round is drafted: the block is bidirectional, so its size changes every position's
+        logits."""
         size = min(ctx.draft_depth, self.max_depth) + 1
         ctx.block_layout(size)
         out = ctx.run_layers(self.layers, self.block_input(state["root"], size), STORE)  # [B, size, H]

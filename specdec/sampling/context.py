@@ -83,8 +83,8 @@ class SamplingContext:
         self._layout(rel_slots, depth, visible)
 
     def block_layout(self, n: int) -> None:
-        """Queries = the round's first n slots (the root's and n − 1 after it) at depths 0 .. n − 1, each seeing all n
-        and the committed prefix: a block drafted in one pass."""
+        """Queries = the round's first n slots (the root's and n − 1 after it) at depths 0 .. n − 1, each seeing all
+        n and the committed prefix: a block drafted in one pass."""
         rel, _ = _causal(n)
         self._layout(rel, rel, _full(n))
 
