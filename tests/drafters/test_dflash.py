@@ -13,28 +13,15 @@ from specdec.base import Features, tiny_base
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.drafters.dflash import DFlash, default_mask_token
 from specdec.sampling.decode import SamplerConfig, generate
+from test_eagle3 import T, data, randomized  # random weights and T = 8 tokens with the base's features, any drafter
 from test_sampling_mc import PROMPT, TOKENS, chi_square_pvalue, exact_joint
 
-T = 8
 AUX = [1, 2, 4]
 
 
 @pytest.fixture(scope="module")
 def base():
     return tiny_base(num_layers=4, dtype="float64")
-
-
-def randomized(d: DFlash, seed: int = 0) -> DFlash:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    return d
-
-
-def data(base, d: DFlash, batch: int = 2, seed: int = 0):
-    ids = torch.randint(3, base.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
-    return ids, base.features(ids, layers=d.feature_layers)
 
 
 def test_shapes_offsets_and_what_is_saved(base):
