@@ -71,14 +71,18 @@ class FeatureShards(Dataset):
 
 class CachedFeatures(L.LightningDataModule):
     def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0, tokenizer=None,
-                 mix: list[str] | None = None, mix_share: float | None = None):
+                 mix: list[str] | None = None, mix_share: float | None = None, train_share: float | None = None):
         """`tokenizer` is accepted so every data config is built the same way; the cache already holds token ids.
         mix: further caches whose training blocks join this one's (same base; validation stays this cache's).
-        mix_share: at most this share of the training blocks comes from `mix` (0 <= share < 1); None: all of it."""
+        mix_share: at most this share of the training blocks comes from `mix` (0 <= share < 1); None: all of it.
+        train_share: train on the first share of this cache's training blocks (0 < share <= 1), a seeded sample of
+        them (a learning curve's points); None: all of them. Validation is the same whatever the share."""
         super().__init__()
         if mix_share is not None and not 0 <= mix_share < 1:
             raise ValueError(f"mix_share must be in [0, 1) or null, got {mix_share}")
-        self.mix_share = mix_share
+        if train_share is not None and not 0 < train_share <= 1:
+            raise ValueError(f"train_share must be in (0, 1] or null, got {train_share}")
+        self.mix_share, self.train_share = mix_share, train_share
         self.path = Path(path).expanduser()
         self.meta = read_meta(self.path)
         self.mix = [Path(p).expanduser() for p in mix or []]
@@ -127,13 +131,18 @@ class CachedFeatures(L.LightningDataModule):
         """The training blocks kept under mix_share (indices into the blocks of [main, *mix] in order): all of the main
         cache's, then the first blocks of each mix cache, in proportion to its size. A cache's training split is
         stored shuffled, so its first blocks are a seeded sample of it, and the same blocks a cache built with
-        `max_train_blocks` holds. None keeps every block."""
-        if self.mix_share is None:
+        `max_train_blocks` holds. Under train_share the main cache keeps its first share of blocks, and the mix its
+        proportion of those. None keeps every block."""
+        if self.mix_share is None and self.train_share is None:
             return None
         sizes = [self.meta["blocks"]["train"], *(m["blocks"]["train"] for m in self.mix_meta)]
         n_main, n_mix = sizes[0], sum(sizes[1:])
-        # mix / (main + mix) <= share  <=>  mix <= share * main / (1 - share)
-        take = min(n_mix, int(self.mix_share * n_main / (1 - self.mix_share)))
+        if self.train_share is not None:
+            n_main = max(1, round(self.train_share * n_main))
+        if self.mix_share is None:  # every mix block, or its share of them under train_share
+            take = n_mix if self.train_share is None else round(self.train_share * n_mix)
+        else:  # mix / (main + mix) <= share  <=>  mix <= share * main / (1 - share)
+            take = min(n_mix, int(self.mix_share * n_main / (1 - self.mix_share)))
         starts = np.cumsum([0, *sizes])
         kept = [np.arange(n_main)] + [starts[i] + np.arange(take * sizes[i] // max(n_mix, 1))
                                       for i in range(1, len(sizes))]

@@ -214,6 +214,29 @@ def test_mix_share_caps_the_mixed_caches_with_their_first_blocks(corpus, tiny, t
         CachedFeatures(str(main), mix=[str(extra)], mix_share=1.0)
 
 
+def test_train_share_keeps_the_first_blocks_and_the_same_validation(corpus, tiny, tmp_path):
+    """data.train_share: the first share of the training blocks (a seeded sample: the split is stored shuffled),
+    validation untouched; a share outside (0, 1] is refused in one line."""
+    dm = text_blocks(corpus, tiny)
+    path = tmp_path / "main"
+    cache_features(dm, tiny, str(path), layers=(LAST,), topk=8)
+    n = len(dm.blocks["train"])
+    assert n >= 4
+
+    def splits(share):
+        cached = CachedFeatures(str(path), train_share=share)
+        cached.setup()
+        return {name: [tuple(s[i]["input_ids"].tolist()) for i in range(len(s))] for name, s in cached.splits.items()}
+
+    everything, half = splits(None), splits(0.5)
+    assert half["train"] == everything["train"][: round(n / 2)]
+    assert half["val"] == everything["val"]
+    assert splits(1.0) == everything
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="train_share"):
+            CachedFeatures(str(path), train_share=bad)
+
+
 @pytest.mark.parametrize("drafter", ["medusa", "early_exit"])
 def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     """python train.py data=cached trains and saves a drafter, and the base never runs a forward."""
