@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specdec.base import LAST, Base, Features
-from specdec.drafters.drafter import DraftContext, NodeTable, TrainOutput
+from specdec.drafters.drafter import DraftContext, Drafter, TrainOutput
 from specdec.drafters.hydra import Hydra, HydraHead
 from specdec.ngram import MAX_NGRAM, MIN_NGRAM, lookup_proposals, ngram_match
 
@@ -32,6 +32,8 @@ class CopyHydra(Hydra):
     match, else its n)."""
 
     graph_draft = False  # expand reads the committed tokens on the host (lookup)
+    # depth by depth through `expand`: Hydra's whole chain of heads (one native call) has no lookup input
+    greedy_chain = Drafter.greedy_chain
 
     def __init__(self, base: Base, num_heads: int = 1, num_layers: int = 1, own_lm_head: bool = False,
                  draft_vocab_size: int | None = None):
@@ -89,25 +91,3 @@ class CopyHydra(Hydra):
         emb = self.base.embed_tokens(paths[:, :, : depth + 1])  # [B, N, d+1, H]
         h = state["h"][:, None].expand(-1, n, -1)  # [B, N, H]
         return self.head_logits(self._head(depth, h, emb, proposal, match), depth)  # [B, N, V_d]
-
-    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
-                     top: int = 1) -> torch.Tensor | None:
-        """One row's greedy chain of γ heads -> tokens [1, γ]: expand's math on plain vectors, without the tree's
-        node tables (a dozen ops a depth fewer; the native chain knows no proposal input). None for a batch or a
-        fan."""
-        if root.shape[0] != 1 or top != 1:
-            return None
-        embed = self.base.embed_tokens.weight  # [V, H]
-        history, path = state["history"][0], [int(root[0])]
-        h = state["h"][0]  # [H]
-        drafted = []
-        for d in range(gamma):
-            proposal, n = ngram_match(history + path, 1, MIN_NGRAM, MAX_NGRAM)
-            head = self.heads[d]
-            emb = torch.cat([embed[path], embed[proposal] if proposal else embed.new_zeros(1, embed.shape[1])])
-            x = torch.cat([h + self.match.weight[n], head.emb_norm(emb).flatten()])  # [(d + 3) H]
-            logits = self.head_logits(head.blocks(head.in_proj(x)), d)  # [V_d]
-            path.append(int(self.token_ids(logits.argmax())))
-            drafted.append(path[-1])
-        state["paths"] = NodeTable()
-        return torch.tensor([drafted], device=root.device)

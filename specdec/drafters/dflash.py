@@ -13,7 +13,7 @@ whole block of masked positions, conditioned on the base's hidden states injecte
   (the trainer's losses are per position). Entries are weighted module.head_decay ** j, DFlash's exp(-(k-1)/γ) with
   head_decay = exp(-1/γ).
 - Sampling: `observe` writes the newly committed positions' context keys (DraftContext.write_keys); the first
-  `expand` of a round (or `greedy_chain`) runs the block once; every depth reads its position's logits from that pass.
+  `expand` of a round runs the block once; every depth reads its position's logits from that pass.
 
 The token embeddings and the mask token's embedding are the base's, frozen; the vocab head is the base's lm_head
 (frozen, its draft-vocab rows with a draft vocab) unless own_lm_head. A fresh drafter starts from the base's last
@@ -169,11 +169,3 @@ class DFlash(Drafter):
                nodes: torch.Tensor) -> torch.Tensor:
         logits = state["logits"] if depth else self.draft_block(state, ctx)
         return logits[:, depth, None].expand(-1, tokens.shape[1], -1)  # [B, N, V_d]: every node at this depth
-
-    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int, top: int = 1) -> torch.Tensor:
-        """A chain of γ from one block: each depth its position's top-1 (the last its best `top`)."""
-        logits = self.draft_block(state, ctx)  # [B, γ, V_d]
-        chain = logits[:, : gamma - 1].argmax(-1)  # [B, γ − 1]
-        last = logits[:, gamma - 1]
-        last = last.argmax(-1, keepdim=True) if top == 1 else last.topk(top, dim=-1).indices
-        return self.token_ids(torch.cat([chain, last], 1))

@@ -82,7 +82,7 @@ class DraftContext(Protocol):
         ...
 
     def block_layout(self, n: int) -> None:
-        """In `expand` or `greedy_chain`: lay the call out over the round's first n slots (the root's, then n − 1
+        """In `expand`: lay the call out over the round's first n slots (the root's, then n − 1
         after it, at depths 0 .. n − 1), each query seeing the committed prefix and all n: a block in one pass."""
         ...
 
@@ -236,12 +236,11 @@ class Drafter(nn.Module):
         """A greedy chain's γ drafted tokens [B, γ] (base ids) from the round's root tokens root [B], in one go, each
         the top-1 of what `expand` would give at that depth, its stores left as those `expand` calls would leave them
         and its state as the next `observe` needs it (what only a later `expand` of the round would read may be left
-        out: none follows): for a drafter whose logits at depth d do not depend on the tokens drafted before it (Medusa: head
-        d+1 reads h_t only), or that runs its whole chain in one native call (the prophet, Hydra:
+        out: none follows), for a drafter whose engine runs its whole chain in one native call (the prophet, Hydra:
         specdec/engines/cpu/native_chain.py). With top > 1, the tree of a chain that fans out at its end
         (trees.StaticTree.fan): [B, γ − 1 + top], the last depth's `top` best tokens, best first, in place of its
-        top-1. None (the default, or where it cannot this round): the sampler expands the tree depth by depth. Where
-        both run, the sampler times them and keeps the faster (trees._greedy_chain)."""
+        top-1. None (the default, or where the engine does not take it this round): the sampler expands the chain
+        depth by depth, `expand` being the one statement of the drafter's math."""
         return None
 
     def adaptive_chain(self, state: Any, ctx: DraftContext, root: torch.Tensor, gamma: int,

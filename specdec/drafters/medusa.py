@@ -70,10 +70,3 @@ class Medusa(Drafter):
                nodes: torch.Tensor) -> torch.Tensor:
         logits = state["logits"][:, depth]  # [B, V_d]
         return logits[:, None].expand(-1, tokens.shape[1], -1)  # [B, N, V_d]
-
-    def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int, top: int = 1) -> torch.Tensor:
-        chain = state["logits"][:, : gamma - 1].argmax(-1)  # [B, γ − 1]: head d+1's top-1 at depth d
-        last = state["logits"][:, gamma - 1]  # [B, V_d] head γ's: its best `top`, best first
-        last = last.argmax(-1, keepdim=True) if top == 1 else last.topk(top, dim=-1).indices
-        return self.token_ids(torch.cat([chain, last], 1))
-

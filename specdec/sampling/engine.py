@@ -60,11 +60,6 @@ class Engine:
         return None
 
     # -- drafting --------------------------------------------------------------------------------
-    def race(self, owner: nn.Module, key: tuple):
-        """A `measure.Race`-like judge (first() / record(first, seconds)) between a drafter's whole greedy chain and
-        its depth-by-depth drafting, or None: the whole chain is always tried first."""
-        return None
-
     def draft_round(self, drafter, state: Any, ctx, root: torch.Tensor, paths: list[list[int]]):
         """A whole greedy round replayed from one recorded graph (a `trees.Round`), or None."""
         return None

@@ -5,7 +5,6 @@ passes one `parents` for all rows); only the tokens differ per row."""
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -198,26 +197,17 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification. A chain with
     neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops; so is a chain that
     fans out at its end (StaticTree.fan); and one row's adaptive chain at T = 0 by the drafter's `adaptive_chain`
-    where it has one and the engine's race finds it faster per depth drafted (the prophet's is one native call on the
-    CPU, which ends the chain itself)."""
+    where it has one that takes the call (the prophet's: one native call on the CPU, which ends the chain itself)."""
     tree = static_tree(tuple(map(tuple, paths)))
     if tree.fan and sample_chain is None and length is None:
         return _greedy_chain(drafter, state, ctx, root, tree)
-    race = None  # one row's adaptive chain at T = 0: the drafter's adaptive_chain or the loop below, the faster kept
     if length is not None and tree.fan == 1 and sample_chain is None and root.shape[0] == 1:
-        race = ctx.engine.race(drafter, ("adaptive", len(tree.levels)))
-        whole = race is None or race.first()
-        start = time.perf_counter()
-        drafted = drafter.adaptive_chain(state, ctx, root, len(tree.levels), length.threshold) if whole else None
-        if drafted is not None:  # [1, d]
+        drafted = drafter.adaptive_chain(state, ctx, root, len(tree.levels), length.threshold)  # [1, d] or None
+        if drafted is not None:
             size = drafted.shape[1] + 1
-            if race is not None:
-                race.record(True, (time.perf_counter() - start) / (size - 1))  # per depth: the lengths differ
             return Round(tokens=torch.cat([root[:, None], drafted], 1), parents=tree.parents[:size],
                          depth=tree.depth[:size], ancestors=tree.ancestors[:size, :size], draft_slots=tree.slots[:size],
                          limit=torch.full_like(root, size - 1))
-        race = None if whole else race  # (declined this round: not timed)
-        start = time.perf_counter()
     size = tree.depth.numel()
     tokens = root.new_zeros(root.shape[0], size)  # [B, N]
     tokens[:, 0] = root
@@ -250,8 +240,6 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
             if not bool(going.any()):
                 size = int(level.kids.max()) + 1  # nodes are numbered by depth: the deeper ones were never drafted
                 break
-    if race is not None:
-        race.record(False, (time.perf_counter() - start) / (size - 1))
     return Round(
         tokens=tokens[:, :size], parents=tree.parents[:size], depth=tree.depth[:size],
         ancestors=tree.ancestors[:size, :size], draft_slots=tree.slots[:size],
@@ -262,17 +250,12 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
 
 def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree) -> Round:
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
-    of the tree's gathers and scatters (four ops a depth fewer, each cold after a verify on a CPU);
-    or the whole chain in one go where the drafter drafts it so (`Drafter.greedy_chain`) and, on the CPU, that measured
-    faster here (the engine's `race`: Medusa's is the same math in fewer ops; the prophet's and Hydra's are native calls whose gain is
-    the CPU's to say). Until greedy_chain has run once, the depth-by-depth way is not tried: a drafter without one never pays for
-    it. A chain that fans out at its end (tree.fan > 1) takes its last depth's top `fan` instead of its top-1, the nodes
-    in the tree's order (the chain, then the fan best first)."""
+    of the tree's gathers and scatters (four ops a depth fewer, each cold after a verify on a CPU); or the whole chain
+    in one call where the drafter's `greedy_chain` takes it (the prophet's and Hydra's: one native call where the
+    sampler's engine has one). A chain that fans out at its end (tree.fan > 1) takes its last depth's top
+    `fan` instead of its top-1, the nodes in the tree's order (the chain, then the fan best first)."""
     gamma, top = len(tree.levels), tree.fan
-    race = ctx.engine.race(drafter, (gamma, top))  # None: the whole chain, wherever the drafter has one
-    whole = race is None or race.first()
-    start = time.perf_counter()
-    drafted = drafter.greedy_chain(state, ctx, root, gamma, top) if whole else None  # [B, γ − 1 + top] or None
+    drafted = drafter.greedy_chain(state, ctx, root, gamma, top)  # [B, γ − 1 + top] or None
     if drafted is not None:
         tokens = torch.cat([root[:, None], drafted], 1)
     else:
@@ -284,8 +267,6 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
             best = logits[:, 0].argmax(-1, keepdim=True) if level.top == 1 else logits[:, 0].topk(level.top).indices
             columns.append(drafter.token_ids(best))  # [B, 1, V_d] -> [B, top]
         tokens = torch.cat(columns, 1)
-    if race is not None and (drafted is not None or not whole):  # (a round where greedy_chain could not: not timed)
-        race.record(drafted is not None, time.perf_counter() - start)
     return Round(tokens=tokens, parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
                  draft_slots=tree.slots)
 

@@ -63,16 +63,3 @@ def test_a_chain_of_one_drafts_what_training_computes_and_stays_lossless():
         hit = drafts[p] == ids[p]
         hits, p = hits + hit, p + (2 if hit else 1)
     assert hits == sum(run.accepted[0])
-
-
-def test_the_lean_chain_drafts_what_expand_drafts():
-    base = tiny_base()
-    prompt = [5, 6, 7, 8, 5, 6, 7]
-    cfg = SamplerConfig(max_new_tokens=24, gamma=3, eos_token_id=[])
-    answer = generate(base, [prompt], None, cfg, engine=auto_engine(name="eager")).tokens[0].tolist()
-    drafter = fitted(CopyHydra(base, num_heads=3), base, prompt + answer[:12])
-    lean = generate(base, [prompt], drafter, cfg, engine=auto_engine(name="eager"))
-    drafter.greedy_chain = lambda *a, **k: None  # depth by depth through expand
-    tree = generate(base, [prompt], drafter, cfg, engine=auto_engine(name="eager"))
-    assert lean.tokens.tolist() == tree.tokens.tolist() and lean.accepted == tree.accepted
-    assert lean.drafted == tree.drafted and sum(lean.accepted[0]) > 0

@@ -5,6 +5,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -57,15 +58,22 @@ def test_engine_yamls_are_the_code_defaults_and_their_delta(name, delta):
     assert node == dataclasses.asdict(EngineConfig(**delta))
 
 
-def test_a_decided_race_is_never_timed():
-    """cpu_kernels=native takes the whole chain at once; whole_chains=false never does, on any engine."""
-    for cfg, first in [(EngineConfig(cpu_kernels="native"), True), (EngineConfig(whole_chains=False), False),
-                       (EngineConfig(cpu_kernels="native", whole_chains=False), False)]:
-        race = build(cfg, "cpu").race(object, ("chain",))
-        for _ in range(10):
-            assert race.first() is first
-            race.record(not first, 0.0)
-        assert race.winner is first
-    assert build(EngineConfig(), "cpu").race(object, ("chain",)).winner is None  # measured: undecided until timed
-    assert build(EngineConfig(name="eager"), "cpu").race(object, ()) is None
-    assert build(EngineConfig(name="eager", whole_chains=False), "cpu").race(object, ()).first() is False
+def test_whole_chains_off_never_calls_a_native_chain(monkeypatch):
+    """whole_chains=false: the CPU engine declines every whole chain (the sampler drafts depth by depth) without calling
+    the native one, and its entries race is decided for the PyTorch path; on: the native calls are asked, and the
+    entries race is decided for them under cpu_kernels=native, timed under measured."""
+    from specdec.engines.cpu import native_chain
+
+    asked = []
+    monkeypatch.setattr(native_chain, "draft", lambda *a: asked.append("chain") or "drafted")
+    monkeypatch.setattr(native_chain, "head_chain", lambda *a: asked.append("heads") or "drafted")
+    monkeypatch.setattr(native_chain, "entries", lambda *a: a[-1].winner)
+    for whole, kernels, winner in [(False, "native", False), (True, "native", True), (True, "measured", None)]:
+        asked.clear()
+        engine = build(EngineConfig(whole_chains=whole, cpu_kernels=kernels), "cpu")
+        drafter = torch.nn.Linear(1, 1)
+        chain = engine.feature_chain(drafter, None, None, None, 2, "store", -1)
+        heads = engine.head_chain(drafter, [], None, None, None, None)
+        assert (chain, heads) == (("drafted", "drafted") if whole else (None, None))
+        assert asked == (["chain", "heads"] if whole else [])
+        assert engine.feature_entries(drafter, None, None, None, None, "store", -1, lambda: None) is winner

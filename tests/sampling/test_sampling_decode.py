@@ -158,7 +158,7 @@ def test_every_drafter_family_is_greedy_lossless(base, prompts, path):
 def test_greedy_chains_draft_as_the_tree_path_does(base, prompts, path, fan, monkeypatch):
     """A chain at T = 0 is drafted column by column (trees._greedy_chain) instead of through the tree's gathers and
     scatters: the same drafts, so the same accepted counts, for every family (state read from parents, layers run;
-    Medusa's whole chain at once, `Drafter.greedy_chain`) and for an oracle right for two tokens a round (so that
+    the prophet's and Hydra's whole chain in one native call, `Drafter.greedy_chain`) and for an oracle right for two tokens a round (so that
     drafts are accepted); so is a chain that fans out at its end (its last depth's top 2)."""
     import dataclasses
 

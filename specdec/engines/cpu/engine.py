@@ -1,9 +1,9 @@
 """The CPU engine: the eager engine's lean layers, with every product of the base and the drafters run by the kernel
 measured fastest on this machine for its shape and row count (kernels.py: PyTorch's, oneDNN's or the native C ones
 in smallm.c, from the weights' exact compact blocks where they have them), whole decoder layers and stacks as one
-native call (native_layer.py, layer.c), the verify's argmax from a bfloat16 shortlist of the lm_head (argmax.py) and a
-drafter's greedy chain as one call (native_chain.py, chain.c), each only where it measured faster, or, under
-cpu_kernels=native, wherever it can run, nothing measured."""
+native call (native_layer.py, layer.c) and the verify's argmax from a bfloat16 shortlist of the lm_head (argmax.py),
+each only where it measured faster, or, under cpu_kernels=native, wherever it can run, nothing measured; and, unless
+whole_chains is off, a drafter's greedy chain as one call wherever it can run (native_chain.py, chain.c)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class CpuEngine(EagerEngine):
         # None: the process-wide kernel table (measured once per machine, kept on disk; cpu_kernels=native: one that
         # measures nothing)
         self.table = table or (forced_table() if self.cfg.cpu_kernels == "native" else None)
-        # drafter -> (chain length, fan) -> whether its whole greedy chain is the faster way here
-        self._races: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Race]] = weakref.WeakKeyDictionary()
+        # drafter -> whether its real entries as one native call are the faster way here (measured over its first calls)
+        self._entries: weakref.WeakKeyDictionary[nn.Module, Race] = weakref.WeakKeyDictionary()
 
     def key(self, greedy: bool) -> tuple:
         c = self.cfg
@@ -59,18 +59,18 @@ class CpuEngine(EagerEngine):
     def greedy_head(self, lm_head: nn.Linear):
         return shortlist(lm_head, forced=self.cfg.cpu_kernels == "native") if self.cfg.greedy_shortlist else None
 
-    def race(self, owner: nn.Module, key: tuple) -> Race:
-        """The whole chain against depth by depth: measured per drafter and key, unless the config decides it."""
-        c = self.cfg
-        decided = False if not c.whole_chains else True if c.cpu_kernels == "native" else None
-        return self._races.setdefault(owner, {}).setdefault(key, Race(decided))
-
     def feature_chain(self, drafter, parts, ctx, root, gamma, store, position_offset, stop=0.0):
+        if not self.cfg.whole_chains:
+            return None
         return native_chain.draft(drafter, parts, ctx, root, gamma, store, position_offset, stop)
 
     def feature_entries(self, drafter, parts, ctx, features, tokens, store, position_offset, otherwise):
-        return native_chain.entries(drafter, parts, ctx, features, tokens, store, position_offset, otherwise,
-                                    self.race(drafter, ("entries",)))
+        c = self.cfg
+        decided = False if not c.whole_chains else True if c.cpu_kernels == "native" else None
+        race = self._entries.setdefault(drafter, Race(decided))
+        return native_chain.entries(drafter, parts, ctx, features, tokens, store, position_offset, otherwise, race)
 
     def head_chain(self, drafter, heads, embed, vocab, h, root, top=1):
+        if not self.cfg.whole_chains:
+            return None
         return native_chain.head_chain(drafter, heads, embed, vocab, h, root, top)

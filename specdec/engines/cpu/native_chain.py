@@ -12,8 +12,8 @@ packed copy), else its float32 weight packed. So they compute what the PyTorch p
 
 `draft` and `_native_entries` return None (the caller then runs the PyTorch path) wherever chain.c does not take the
 call: off the CPU, a batch of several rows, no native layers for those rows (a prefill), a norm of another formula, a
-window past the cache. Whether they are used at all where they can is decided by timing them against that path over a
-drafter's first calls (`Race`: trees._greedy_chain for the chain, `entries` for the observe)."""
+window past the cache. The chains run wherever they can (the engine's whole_chains off: never); `entries` is timed
+against that path over a drafter's first calls and the faster kept (`Race`, unless the config decides it)."""
 
 from __future__ import annotations
 

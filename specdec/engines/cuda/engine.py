@@ -24,7 +24,7 @@ class CudaEngine(EagerEngine):
 
     def key(self, greedy: bool) -> tuple:
         c = self.cfg
-        return (self.name, c.lean, c.cuda_graphs, c.cuda_kernels, greedy, c.whole_chains)
+        return (self.name, c.lean, c.cuda_graphs, c.cuda_kernels, greedy)
 
     def installed(self, base: nn.Module, drafters: Sequence[nn.Module] = ()):
         if self.cfg.cuda_kernels == "stock":

@@ -9,7 +9,6 @@ from torch import nn
 
 from specdec.engines.config import EngineConfig
 from specdec.engines.eager.lean import LeanLayer, lean
-from specdec.engines.measure import Race
 from specdec.sampling.engine import Engine
 
 
@@ -21,11 +20,7 @@ class EagerEngine(Engine):
         self.cfg = cfg or EngineConfig(name="eager")
 
     def key(self, greedy: bool) -> tuple:
-        return (self.name, self.cfg.lean, greedy, self.cfg.whole_chains)
-
-    def race(self, owner: nn.Module, key: tuple) -> Race | None:
-        """None (the whole chain wherever the drafter has one), or depth by depth where whole_chains is off."""
-        return None if self.cfg.whole_chains else Race(decided=False)
+        return (self.name, self.cfg.lean, greedy)
 
     def fast_layer(self, layer: nn.Module) -> LeanLayer | None:
         if not self.cfg.lean or torch.is_grad_enabled():  # (the lean path is for decoding)
