@@ -11,13 +11,12 @@ a reduced draft vocabulary, trained by training-time test (TTT) with no feature 
   is EAGLE-3): `fc_norm` puts an RMSNorm of its own on each fused layer before fc, g_t = fc([n_1(a^{low}_t);
   n_2(a^{mid}_t); n_3(a^{high}_t)]); `norm_output` makes norm(out), the logits' input, the next step's g in place of
   `out`, so that the magnitude a step reads does not drift with depth.
-- TTT: k unrolled steps; step j at t reads its own step j-1 output at t with the token x_{t+j+1} (the data's, teacher
-  forced), attends to the real entries ≤ t and to its chain's earlier steps (one key per step: the diagonal), and is
-  scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's head_decay).
+- TTT: k unrolled steps (FeatureDrafter.unroll); step j at t reads its own step j-1 output at t with the token
+  x_{t+j+1} (the data's, teacher forced), attends to the real entries ≤ t and to its chain's earlier steps (one key per
+  step: the diagonal), and is scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's
+  head_decay).
 
-Layout (the prophet's, shared with the sampler): slot s holds the entry (g_{s-1}, x_s) at rotary position s-1; slot 0
-is a "sink" entry with a zero feature, (0, x_0), which training carries too so that both see the same keys. The token
-embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows, and the
+Layout, sink entry and sampling: the prophet's (specdec/drafters/feature.py). The token embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows, and the
 layer starts as a copy of the base layer whose input is the highest fused one (`_init_from_base`).
 """
 
@@ -27,14 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from specdec.base import Base, Features, cache_arg
-from specdec.drafters.drafter import (DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput, copy_lm_head,
-                                      unroll_mask)
+from specdec.drafters.drafter import DraftVocab, TrainOutput, copy_lm_head
+from specdec.drafters.feature import POSITION_OFFSET, FeatureDrafter  # noqa: F401 (the layout's offset, re-exported)
 
 STORE = "eagle3"  # the drafter-private KV store in the sampler's DraftContext
-POSITION_OFFSET = -1  # slot s holds the entry of position s-1
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -72,8 +69,8 @@ class Eagle3Layer(nn.Module):
         return g + self.mlp(self.post_attention_layernorm(g))  # [B, n, H], before the final norm
 
 
-class Eagle3(Drafter):
-    graph_draft = True
+class Eagle3(FeatureDrafter):
+    store = STORE
 
     def __init__(self, base: Base, ttt_steps: int = 7, draft_vocab_size: int | None = 32000,
                  aux_layers: list[int] | None = None, fc_norm: bool = False, norm_output: bool = False):
@@ -154,14 +151,6 @@ class Eagle3(Drafter):
         normed = self.norm(out)
         return (normed if self.norm_output else out), self.lm_head(normed)
 
-    def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """The layer over x [B, n, 2H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
-        rope = self.base.rotary_emb(x[..., : self.fc.out_features], pos[None])
-        for layer in self.layers:
-            x = layer(x, attention_mask=mask[None, None], position_ids=pos[None], position_embeddings=rope,
-                      cache=cache)
-        return x
-
     # -- training ----------------------------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         return TrainOutput(logits=self.unroll(self.real_feature(feats.hidden), input_ids, self.ttt_steps))
@@ -169,63 +158,7 @@ class Eagle3(Drafter):
     def unroll(self, g: torch.Tensor, input_ids: torch.Tensor, steps: int) -> torch.Tensor:
         """Training-time test: g [B, T, H] real features, input_ids [B, T] -> logits [B, T, steps, V_d] (step j at t
         predicts x_{t+j+2}), every step after the first on the layer's own previous output."""
-        b, t, hs = g.shape
-        dev = g.device
-        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
-        padded = torch.cat([emb, emb.new_zeros(b, steps + 1, hs)], dim=1)  # emb(x_{t+k}), zero past the end
-
-        def ahead(k: int) -> torch.Tensor:
-            return padded[:, k : k + t]  # [B, T, H]
-
-        # step 0 over [sink, (g_0, x_1), …, (g_{T-1}, x_T)] at positions -1..T-1, causal
-        x0 = self.step_input(torch.cat([g.new_zeros(b, 1, hs), g], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
-        mask = unroll_mask(t, 0, x0.dtype, dev)
-        cache = DynamicCache()  # step 0's keys, then each later step's, in that order
-        g, first = self.readout(self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:])  # [B, T, H]
-        logits = [first]
-        for j in range(1, steps):
-            mask = unroll_mask(t, j, x0.dtype, dev)  # [T, T+1 + j·T]
-            g, step = self.readout(self._run(self.step_input(g, ahead(j + 1)), torch.arange(j, t + j, device=dev),
-                                             mask, cache))
-            logits.append(step)
-        return torch.stack(logits, dim=2)
-
-    # -- sampling ----------------------------------------------------------------------------------------------
-    def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
-        g = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
-        # g: newest committed real feature per row (zero before the prompt: the sink); root: the root entry's layer
-        # output (set by observe); outs: the round's g per node (what each child reads; see `readout`)
-        return {"g": g, "root": None, "outs": NodeTable()}
-
-    def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
-        g = self.real_feature(feats.hidden)  # [B, n, H]
-        b, n, _ = g.shape
-        rows = torch.arange(b, device=g.device) if b > 1 else None
-        # slot s gets (g_{s-1}, x_s); one entry more, at index n_new of each row, is the next round's root entry
-        # (g_t, x_{t+1}) with x_{t+1} = next_token, run in the same pass (the prophet's layout)
-        prev = torch.cat([state["g"][:, None], g], dim=1)  # [B, n+1, H]
-        toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
-        if rows is not None:
-            toks[rows, n_new] = next_token
-        ctx.commit_layout(n + 1)
-        out = ctx.run_layers(self.layers, self.step_input(prev, self.base.embed_tokens(toks)), STORE, POSITION_OFFSET)
-        if rows is None:
-            state["g"], state["root"] = g[:, -1], out[:, -1:]
-        else:
-            state["g"] = g[rows, n_new - 1]  # [B, H]
-            state["root"] = out[rows, n_new][:, None]  # [B, 1, H]
-        state["outs"] = NodeTable()
-
-    def expand(self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
-               nodes: torch.Tensor) -> torch.Tensor:
-        if depth == 0:
-            out = state["root"]  # [B, 1, H]: run (and its slot written) by `observe`
-        else:
-            x = self.step_input(state["outs"].get(parents, ctx), self.base.embed_tokens(tokens))  # [B, N, 2H]
-            out = ctx.run_layers(self.layers, x, STORE, POSITION_OFFSET)
-        g, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
-        state["outs"].put(g, nodes, ctx)
-        return logits
+        return super().unroll(g, input_ids, steps)[0]
 
     # -- the maps serving engines read ---------------------------------------------------------------------------
     def d2t(self) -> torch.Tensor:

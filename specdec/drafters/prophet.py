@@ -1,18 +1,13 @@
 """ProphetNet-style feature-level predictor (in the spirit of EAGLE): a small decoder, built from the base's own
 decoder-layer class, that predicts the base's next last-layer feature from the known features and tokens and
-then keeps going on its OWN predicted features, one step at a time.
+then keeps going on its OWN predicted features, one step at a time (specdec/drafters/feature.py: the entries,
+positions, training unroll and sampling it shares with EAGLE-3).
 
-Entries and positions (training and sampling agree on both):
-- real entry for base position t: fc([h_t ; emb(x_{t+1})]) at rotary position t; its output ĥ_{t+1} -> x_{t+2};
-- one "sink" entry fc([0 ; emb(x_0)]) at position -1 before them: at sampling time the first committed slot
-  has no feature before it, so training carries the same entry instead of pretending it is not there;
-- chain step j ≥ 1 rooted at t: fc([ĥ_{t+j} ; emb(x_{t+j+1})]) at position t+j, attending to the real
-  entries of positions ≤ t (and the sink) and to its own chain's earlier steps, never to later real entries.
-Sampling lays the entry for (h_{s-1}, x_s) in slot s, so the root node's slot (the base's newest token) holds
-the root entry (h_t, x_{t+1}) and every slot of a row is written (by `observe` or `expand`) before it is seen;
-`observe` writes the root entry too, in the same pass as the newly committed ones.
+- Step input: fc([f; emb_norm(emb(x))]) (2H -> H), f the feature of position t (real or predicted), x = x_{t+1}.
+- Readout: ĥ = norm(layers' output), the predicted (normed) last-layer feature of position t + 1, which the next step
+  reads; the logits are the vocab head's over ĥ. Training regresses ĥ on the base's real feature (feature_weight).
 
-With `fuse_layers` (EAGLE-3's feature fusion), the real h_t is not the last layer alone but a learnt mix of it and
+With `fuse_layers` (EAGLE-3's feature fusion), the real f_t is not the last layer alone but a learnt mix of it and
 the hidden states of earlier base layers: f_t = fuse([norm(h^{l_1}_t); …; h_t]), which starts as h_t exactly. The
 chain steps still read the predictor's own ĥ, so fusion changes only what the real entries carry."""
 
@@ -24,19 +19,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
-from specdec.base import LAST, Base, Features, cache_arg
-from specdec.drafters.drafter import (ChainParts, DraftContext, Drafter, DraftVocab, NodeTable, TrainOutput,
-                                      copy_lm_head, unroll_mask)
+from specdec.base import LAST, Base, Features
+from specdec.drafters.drafter import ChainParts, DraftContext, DraftVocab, NodeTable, TrainOutput, copy_lm_head
+from specdec.drafters.feature import POSITION_OFFSET, FeatureDrafter
 
 STORE = "prophet"  # the drafter-private KV store in the sampler's DraftContext
-POSITION_OFFSET = -1  # slot s holds the entry of position s-1 (see the module docstring)
 
 
-class Prophet(Drafter):
+class Prophet(FeatureDrafter):
     aux_metric_names = ("feature_loss", "feature_loss_last")
-    graph_draft = True
+    store = STORE
 
     def __init__(
         self,
@@ -100,6 +93,10 @@ class Prophet(Drafter):
             self.fuse.weight.zero_()
             self.fuse.weight[:, -h:].copy_(torch.eye(h))
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.blocks  # (the state dict's name for them: `blocks.*`)
+
     # -- pieces shared by training and sampling ----------------------------------------------------------------
     def real_feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The base's hidden states {layer: [..., H]} -> the feature a real entry carries [..., H]: the last layer's,
@@ -121,18 +118,6 @@ class Prophet(Drafter):
         hat = self.norm(out)
         return hat, self.project(hat, self.lm_head)
 
-    def _run(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """Blocks over x [B, n, H] at rotary positions pos [n], additive mask [n, W], appending to cache."""
-        pos = pos[None]  # [1, n]
-        rope = self.base.rotary_emb(x, pos)
-        for block in self.blocks:
-            out = block(
-                x, attention_mask=mask[None, None], position_ids=pos, use_cache=True, **cache_arg(block, cache),
-                position_embeddings=rope,
-            )
-            x = out[0] if isinstance(out, tuple) else out
-        return x
-
     # -- training ----------------------------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         logits, hats = self.unroll(self.real_feature(feats.hidden), input_ids, self.unroll_steps)
@@ -152,84 +137,18 @@ class Prophet(Drafter):
             aux_metrics={"feature_loss": feature_loss.detach(), "feature_loss_last": per_step[-1].detach()},
         )
 
-    def unroll(self, h: torch.Tensor, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `steps` steps of every chain, each step on the previous step's OWN predicted feature.
-        h [B, T, H] real features (`real_feature`), input_ids [B, T] -> logits [B, T, steps, V] (step j at t predicts x_{t+j+2})
-        and predicted features ĥ [B, T, steps, H] (step j at t predicts h_{t+j+1})."""
-        b, t, hs = h.shape
-        dev = h.device
-        emb = self.base.embed_tokens(input_ids)  # [B, T, H]
-        # emb(x_{t+k}) at every t, zero past the end (those chains' targets do not exist: masked by the trainer)
-        padded = torch.cat([emb, emb.new_zeros(b, steps + 1, hs)], dim=1)  # [B, T+steps+1, H]
-
-        def ahead(k: int) -> torch.Tensor:
-            return padded[:, k : k + t]  # [B, T, H]
-
-        # Step 0 over [sink, (h_0, x_1), …, (h_{T-1}, x_T)] at positions -1..T-1, causal.
-        x0 = self.step_input(torch.cat([h.new_zeros(b, 1, hs), h], dim=1), torch.cat([emb[:, :1], ahead(1)], dim=1))
-        mask = unroll_mask(t, 0, x0.dtype, dev)
-        cache = DynamicCache()  # the keys of step 0 and of every later step, in that order
-        out = self._run(x0, torch.arange(-1, t, device=dev), mask, cache)[:, 1:]  # [B, T, H] chain t, step 0
-        hat, logit = self.readout(out)
-        hats, logits = [hat], [logit]
-
-        for j in range(1, steps):
-            mask = unroll_mask(t, j, x0.dtype, dev)  # [T, T+1 + j·T]
-            x = self.step_input(hat, ahead(j + 1))  # [B, T, H]: ĥ_{t+j} (own prediction) with x_{t+j+1}
-            out = self._run(x, torch.arange(j, t + j, device=dev), mask, cache)
-            hat, logit = self.readout(out)
-            hats.append(hat)
-            logits.append(logit)
-        return torch.stack(logits, dim=2), torch.stack(hats, dim=2)
-
     # -- sampling ----------------------------------------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int) -> dict[str, Any]:
-        h = torch.zeros(batch_size, self.base.hidden_size, device=self.base.device, dtype=self.base.dtype)
         # what the native calls read, looked up once a decode (~10 module attribute reads, which twice a round would
-        # cost a noticeable share of a CPU draft); kept on the drafter, not in the state, whose every value a CUDA graph of the whole
-        # draft takes in (draft_graph.py)
+        # cost a noticeable share of a CPU draft); kept on the drafter, not in the state, whose every value a CUDA graph
+        # of the whole draft takes in (draft_graph.py)
         self._native_parts = self._parts()
-        # h: newest committed real feature per row (zero before the prompt); root: the root entry's block output
-        # (set by observe); hats: the round's predicted ĥ per node
-        return {"h": h, "root": None, "hats": NodeTable()}
+        return super().init_state(batch_size, max_len)
 
-    def observe(self, state, ctx: DraftContext, feats: Features, tokens, n_new, next_token) -> None:
-        h = self.real_feature(feats.hidden)  # [B, n, H]
-        b, n, _ = h.shape
-        rows = torch.arange(b, device=h.device) if b > 1 else None
-        # Slot s gets the real entry (h_{s-1}, x_s): the first new slot pairs with the previous call's newest h. One
-        # entry more, at index n_new of each row, is the next round's root entry (h_t, x_{t+1}) with x_{t+1} =
-        # next_token: computed in this pass over the blocks rather than in a depth-0 `expand` of its own, which
-        # would read every block weight a second time for one token.
-        prev = torch.cat([state["h"][:, None], h], dim=1)  # [B, n+1, H]
-        toks = torch.cat([tokens, next_token[:, None]], dim=1)  # [B, n+1]
-        if rows is not None:  # (one row has no padding: its n_new is n, where the cat put next_token)
-            toks[rows, n_new] = next_token
-        ctx.commit_layout(n + 1)  # the root's slot L_b + n_new_b is index n_new_b of row b
-        out = ctx.feature_entries(  # [B, n+1, H]: one call where the engine has one and it is faster, else the blocks
-            self, self._native_parts, prev, toks, STORE, POSITION_OFFSET,
-            otherwise=lambda: ctx.run_layers(self.blocks, self.step_input(prev, self.base.embed_tokens(toks)), STORE,
-                                             POSITION_OFFSET))
-        if rows is None:  # one row: its newest feature and its root entry are the last (views, not index ops)
-            state["h"], state["root"] = h[:, -1], out[:, -1:]
-        else:
-            state["h"] = h[rows, n_new - 1]  # [B, H]
-            state["root"] = out[rows, n_new][:, None]  # [B, 1, H] the root entry's block output; read out by expand
-        state["hats"] = NodeTable()  # a new round
-
-    def expand(
-        self, state, ctx: DraftContext, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
-        nodes: torch.Tensor,
-    ) -> torch.Tensor:
-        if depth == 0:
-            out = state["root"]  # [B, 1, H]: the root entry, run (and its slot written) by `observe`
-        else:
-            # the parents' predicted features with the nodes' tokens
-            x = self.step_input(state["hats"].get(parents, ctx), self.base.embed_tokens(tokens))  # [B, N, H]
-            out = ctx.run_layers(self.blocks, x, STORE, POSITION_OFFSET)
-        hat, logits = self.readout(out)  # [B, N, H], [B, N, V_d]
-        state["hats"].put(hat, nodes, ctx)
-        return logits
+    def entries(self, ctx: DraftContext, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The real entries in one native call where the engine has one and it is faster, else through the layers."""
+        return ctx.feature_entries(self, self._native_parts, features, tokens, STORE, POSITION_OFFSET,
+                                   otherwise=lambda: super(Prophet, self).entries(ctx, features, tokens))
 
     def greedy_chain(self, state, ctx: DraftContext, root: torch.Tensor, gamma: int,
                      top: int = 1) -> torch.Tensor | None:
@@ -244,7 +163,7 @@ class Prophet(Drafter):
         if drafted is None:
             return None
         tokens, hats = drafted  # [1, d], [1, d, H] (d = γ without a stop)
-        state["hats"] = NodeTable.of(hats)  # nodes 0 .. d-1, as the chain's expand calls leave it
+        state["feats"] = NodeTable.of(hats)  # nodes 0 .. d-1, as the chain's expand calls leave it
         return tokens
 
     def _parts(self) -> ChainParts:

@@ -315,7 +315,7 @@ def test_on_smollm2():
 @pytest.mark.parametrize("rows", [1, 2])
 def test_observe_keeps_its_state_through_the_next_verify(base, monkeypatch, rows):
     """One row's observe keeps its newest feature and root entry as views of the verify's outputs: each verify must
-    make new ones (a reused buffer would hand the next round's observe the wrong h_{t}: lossless still, a lower τ)."""
+    make new ones (a reused buffer would hand the next round's observe the wrong f_{t}: lossless still, a lower τ)."""
     d = randomized(Prophet(base)).eval()
     observe, seen = Prophet.observe, []
 
@@ -323,7 +323,7 @@ def test_observe_keeps_its_state_through_the_next_verify(base, monkeypatch, rows
         if "kept" in state:
             seen.append(all(torch.equal(state[k], v) for k, v in state["kept"].items()))
         observe(self, state, ctx, feats, tokens, n_new, next_token)
-        state["kept"] = {k: state[k].clone() for k in ("h", "root")}
+        state["kept"] = {k: state[k].clone() for k in ("f", "root")}
 
     monkeypatch.setattr(Prophet, "observe", checked)
     generate(base, [list(range(5, 17))] * rows, d, SamplerConfig(max_new_tokens=12, gamma=3, eos_token_id=[]),

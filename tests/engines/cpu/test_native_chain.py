@@ -71,7 +71,7 @@ def decode(base, drafter, monkeypatch, native_on: bool, native_layers: bool = Tr
     def recorded(drafter_, state, ctx, root, tree):
         out = CHAIN(drafter_, state, ctx, root, tree)
         gamma = len(tree.levels)
-        rounds.append((out.tokens.clone(), state["hats"].get(torch.arange(gamma), ctx).clone()))
+        rounds.append((out.tokens.clone(), state["feats"].get(torch.arange(gamma), ctx).clone()))
         return out
 
     def counted(record, call):
