@@ -49,13 +49,18 @@ def max_nodes(cfg: SamplerConfig, drafter: Drafter | None) -> int:
     return 1 + max(drafted, cfg.lookup_tokens)
 
 
+def not_finite(where: str) -> FloatingPointError:
+    """The one error for NaN/inf in the base's logits (every check below, and the greedy verify's marked argmax)."""
+    return FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
+                              f"(try dtype=float32)")
+
+
 def finite(logits: torch.Tensor, where: str) -> torch.Tensor:
     """Fail on NaN/inf in the base's logits instead of emitting tokens drawn from garbage. Their sum is finite when
     every logit is (a few times cheaper to check than each); only a sum
     that is not (an overflow, or a real NaN) looks at each logit."""
     if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
-        raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
-                                 f"(try dtype=float32)")
+        raise not_finite(where)
     return logits
 
 
@@ -66,6 +71,5 @@ def finite_argmax(logits: torch.Tensor, where: str) -> torch.Tensor:
     right after a forward. Unlike `finite`, an -inf logit below a finite max passes: it changes no greedy token."""
     best, target = logits.max(-1)
     if not all(map(math.isfinite, best.flatten().tolist())):
-        raise FloatingPointError(f"NaN/inf in the base's logits {where}: the base's weights or dtype are broken "
-                                 f"(try dtype=float32)")
+        raise not_finite(where)
     return target

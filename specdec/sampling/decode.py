@@ -13,7 +13,7 @@ from specdec.drafters.drafter import Drafter
 from specdec.ngram import ngram_match
 from specdec.sampling import verify
 from specdec.sampling.adaptive import DraftLength
-from specdec.sampling.checks import check_inputs, finite, finite_argmax
+from specdec.sampling.checks import check_inputs, finite, finite_argmax, not_finite
 from specdec.sampling.config import GenerationResult, SamplerConfig
 from specdec.sampling.context import SamplingContext
 from specdec.sampling.cost import PhaseClock, verify_costs, wall_clock
@@ -265,8 +265,7 @@ class Decode:
     def _accept_greedy(self, rnd: Round, target: torch.Tensor) -> Outcome:
         tgt = target.tolist()  # [B][N] (every greedy verify gives its argmax, checked or marked)
         if min(map(min, tgt)) < 0:  # checked_argmax's mark: a query's logits were not finite
-            raise FloatingPointError(f"NaN/inf in the base's logits at decode round {self.round_no}: the base's "
-                                     f"weights or dtype are broken (try dtype=float32)")
+            raise not_finite(f"at decode round {self.round_no}")
         present = rnd.present()
         tokens = rnd.tokens.tolist()
         paths = verify.greedy_paths(tgt, tokens, rnd.parents.tolist(), None if present is None else present.tolist())
