@@ -265,10 +265,10 @@ def test_every_recipe_trains_from_a_cache(corpus, tmp_path, recipe):
     settings, draft vocab and schedule, on a 10-layer tiny base whose cache stores the layers the recipes read."""
     base = tiny_base(num_layers=10)
     cache = tmp_path / "feat"
-    # the layers every recipe reads there: the last, 8 (the prophet fuses it) and 2, 5, 9 (eagle3's and dflash's recipes name
+    # the layers every recipe reads there: the last, 8 (the prophet fuses it) and 2, 5, 9 (eagle3's, dflash's and peagle's recipes name
     # SmolLM2's inputs of 2, 15 and 29, the last layer's: here 2, L//2 and L-1)
     cache_features(text_blocks(corpus, base), base, str(cache), layers=(LAST, 2, 5, 8, 9), topk=16)
-    own = ["drafter.aux_layers=[2,5,9]"] if recipe in ("eagle3", "dflash") else []
+    own = ["drafter.aux_layers=[2,5,9]"] if recipe in ("eagle3", "dflash", "peagle") else []
     cfg = compose_train([f"experiment=recipe/{recipe}", "base=tiny", "base.num_layers=10", f"data.path={cache}",
                          "data.batch_size=2", "drafter.draft_vocab_size=32", "trainer.max_steps=2",
                          "trainer.max_time=null", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
