@@ -5,7 +5,7 @@ elsewhere (SpecForge, speculators, z-lab, the EAGLE repo, Medusa) beside ours.
 
 | format | family | who loads it |
 |---|---|---|
-| speculators | eagle3, dflash | vLLM (auto-detected), the speculators package |
+| speculators | eagle3, dflash, peagle | vLLM (auto-detected), the speculators package |
 | sglang | eagle3, dflash | SGLang (dflash: DFLASH, z-lab's layout), the EAGLE repo, SpecForge (`LlamaForCausalLMEagle3`) |
 | vllm_medusa | medusa | vLLM's MedusaModel |
 | medusa | medusa | the Medusa repo, TGI and TensorRT-LLM's converters |
@@ -27,7 +27,8 @@ from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.drafter import Drafter
 from specdec.drafters.eagle3 import Eagle3
 from specdec.drafters.medusa import Medusa
-from specdec.export import dflash, draft_model, eagle3, gguf, medusa
+from specdec.drafters.peagle import PEagle
+from specdec.export import dflash, draft_model, eagle3, gguf, medusa, peagle
 from specdec.export.common import SPECDEC, CheckpointError
 
 
@@ -44,8 +45,9 @@ def by_family(writers: dict[type, Callable[[Any, Path, str], None]]) -> Callable
 
 
 FORMATS = {
-    "speculators": Format((Eagle3, DFlash), by_family({Eagle3: eagle3.write_speculators,
-                                                       DFlash: dflash.write_speculators}), "vLLM, speculators"),
+    "speculators": Format((Eagle3, DFlash, PEagle), by_family({Eagle3: eagle3.write_speculators,
+                                                               DFlash: dflash.write_speculators,
+                                                               PEagle: peagle.write_speculators}), "vLLM, speculators"),
     "sglang": Format((Eagle3, DFlash), by_family({Eagle3: eagle3.write_sglang, DFlash: dflash.write_sglang}),
                      "SGLang (dflash: --speculative-algorithm DFLASH), the EAGLE repo, SpecForge"),
     "vllm_medusa": Format(Medusa, medusa.write_vllm, "vLLM MedusaModel"),
@@ -88,7 +90,7 @@ def _of(drafter: Drafter, fmt: Format) -> bool:
 
 def _family_names() -> set[str]:
     # (their drafter= config names)
-    names = {Eagle3: "eagle3", DFlash: "dflash", Medusa: "medusa", DraftModel: "draft_model"}
+    names = {Eagle3: "eagle3", DFlash: "dflash", PEagle: "peagle", Medusa: "medusa", DraftModel: "draft_model"}
     return {names[c] for f in FORMATS.values() for c in (f.family if isinstance(f.family, tuple) else (f.family,))}
 
 
@@ -109,6 +111,7 @@ def _reader(path: str | Path) -> tuple[str, type | None, Callable[[Path, Base], 
     cfg = json.loads(config.read_text())
     for fmt, family, is_it, reader in [("speculators", Eagle3, eagle3.is_speculators, eagle3.read),
                                        ("speculators", DFlash, dflash.is_speculators, dflash.read),
+                                       ("speculators", PEagle, peagle.is_speculators, peagle.read),
                                        ("sglang", Eagle3, eagle3.is_sglang, eagle3.read),
                                        ("sglang", DFlash, dflash.is_zlab, dflash.read),
                                        ("vllm_medusa", Medusa, medusa.is_vllm, medusa.read),
