@@ -24,6 +24,8 @@ STORE = "draft_model"  # the drafter-private KV store in the sampler's DraftCont
 
 
 class DraftModel(Drafter):
+    drafts_from_tokens = True  # its own model (layers, KV) over the path's tokens: stages may check proposals
+
     def __init__(self, base: Base, model: str | None = None, num_layers: int = 4, init: str = "copy",
                  draft_vocab_size: int | None = None, gamma: int = 4):
         super().__init__(base, model=model, num_layers=num_layers, init=init, draft_vocab_size=draft_vocab_size,

@@ -149,6 +149,12 @@ class Drafter(nn.Module):
     # the sampler does not gather them (~40 µs a round on a 2-core CPU) and passes None, as after a greedy verify that
     # took the argmax without logits.
     reads_logits: bool = False
+    # Whether `expand` at a node is a function of the node's path tokens alone (given what `observe` committed): its
+    # stores at a node's ancestors hold only what expanding those ancestors' tokens wrote, and it reads no per-node
+    # state of its parent's expand (a NodeTable) and no per-depth part (a head per depth). Then a node and the nodes
+    # after it may be expanded in one call as a chain of any depths, and staged drafting (sampler.stage_lookup,
+    # trees._greedy_chain) checks proposed tokens in one pass of it.
+    drafts_from_tokens: bool = False
 
     def __init__(self, base: Base, **hparams: Any):
         super().__init__()

@@ -39,6 +39,7 @@ class SkipSearch:
 
 
 class LayerSkip(Drafter):
+    drafts_from_tokens = True  # the base's own layers over the path's tokens: stages may check proposals
     calibration_metrics = ("val/predicted_speedup", "val/alpha", "val/expected_tau", "val/measured_tau",
                            "val/draft_cost", "val/verify_cost", "val/skipped_layers",
                            "val/uniform_predicted_speedup", "val/uniform_alpha")

@@ -46,6 +46,11 @@ class SamplerConfig:
     # (lookup.LookupLength; the curve once per process): all lookup_tokens where verifying is nearly free, fewer where
     # each verified token costs about a fifth of a step (a 2-core CPU). False: every proposal whole.
     lookup_by_cost: bool = True
+    # Staged drafting (Spector & Ré 2023; trees._greedy_chain): n-gram lookup over the context and the chain so far
+    # proposes up to stage_lookup of the drafter's next tokens, and the drafter checks them in one pass of its own,
+    # keeping each while it equals its own greedy token: the same chain in fewer drafter passes (0 = off). Greedy
+    # chains of a drafter whose expand reads only its nodes' path tokens (Drafter.drafts_from_tokens).
+    stage_lookup: int = 0
 
     def __post_init__(self) -> None:
         """One-line errors for settings that would otherwise fail deep in a decode loop (or silently)."""
@@ -70,6 +75,11 @@ class SamplerConfig:
              f"{self.lookup_min_ngram} and {self.lookup_max_ngram}"),
             (not self.adaptive or self.tree == "chain",
              f"adaptive draft length needs tree=chain (a {self.tree} tree's shape is fixed per round)"),
+            (self.stage_lookup == 0 or (self.stage_lookup > 0 and self.tree == "chain" and self.temperature == 0
+                                        and not self.adaptive),
+             f"stage_lookup must be >= 0 and staged drafting needs tree=chain at temperature=0 without an adaptive "
+             f"draft length (it checks proposals against the drafter's greedy tokens; a sampled chain is not staged), "
+             f"got stage_lookup={self.stage_lookup}, tree={self.tree}, temperature={self.temperature}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -97,6 +107,8 @@ class GenerationResult:
     step_verify_s: list[float] = field(default_factory=list)  # per round: the base verify forward
     step_overhead_s: list[float] = field(default_factory=list)  # per round: acceptance, rollback, bookkeeping
     lookup_rounds: int = 0  # rounds proposed by n-gram lookup instead of the drafter
+    # per round: drafter passes (`expand` calls, one per depth but with stage_lookup); 0 for a lookup round, a plain step
+    draft_passes: list[int] = field(default_factory=list)
 
     @property
     def decode_s(self) -> float:

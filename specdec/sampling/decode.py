@@ -20,7 +20,7 @@ from specdec.sampling.cost import PhaseClock, verify_costs, wall_clock
 from specdec.sampling.draws import RowUniform
 from specdec.sampling.engine import REFERENCE, Engine
 from specdec.sampling.lookup import LookupLength, fresh_counts, lookup_round, shared_counts
-from specdec.sampling.trees import Round, chain_paths, draft_dynamic, draft_static, sample_chain_fn
+from specdec.sampling.trees import Round, Stage, chain_paths, draft_dynamic, draft_static, sample_chain_fn
 
 __all__ = ["GenerationResult", "SamplerConfig", "generate"]
 
@@ -90,6 +90,10 @@ class Decode:
         self.drafters = [drafter] if drafter is not None else []
         b = len(prompt_ids)
         self.max_len = check_inputs(base, prompt_ids, cfg, drafter)
+        if cfg.stage_lookup and drafter is not None and not drafter.drafts_from_tokens:
+            raise ValueError(f"sampler.stage_lookup: staged drafting needs a drafter whose expand reads only its nodes' "
+                             f"path tokens (Drafter.drafts_from_tokens: a draft model, layer skip); "
+                             f"{type(drafter).__name__}'s does not")
         eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         # verify-cost curves, measured before any timing starts: a dynamic tree's budget and the lookup's length by cost
@@ -106,6 +110,7 @@ class Decode:
         self.layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.length = DraftLength(cfg) if drafter is not None and cfg.adaptive else None
         self.clock, self.round_no, self.looked_up = PhaseClock(base.device), 0, False
+        self.draft_passes: list[int] = []  # per round (GenerationResult.draft_passes)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self) -> None:
@@ -181,6 +186,8 @@ class Decode:
             rnd = self._draft()
         self.clock.mark()
         self.round_no += 1
+        self.draft_passes.append(0 if self.looked_up or self.drafter is None
+                                 else rnd.passes if rnd.passes is not None else int(rnd.depth.max()))
         return rnd
 
     def _draft(self) -> Round:
@@ -197,12 +204,29 @@ class Decode:
             raise ValueError(f"draft depth {max(len(p) for p in paths)} > the drafter's max_depth {limit}")
         ctx.draft_depth = max(len(p) for p in paths)
         sampled = cfg.tree == "chain" and cfg.temperature > 0
-        if not sampled and self.length is None:
+        if not sampled and self.length is None and not cfg.stage_lookup:
             whole = self.engine.draft_round(drafter, self.state, ctx, self.root, paths)  # one recorded graph?
             if whole is not None:
                 return whole
         draw = sample_chain_fn(cfg.temperature, cfg.top_k, cfg.top_p, self.uniform) if sampled else None
-        return draft_static(drafter, self.state, ctx, self.root, paths, draw, self.length)
+        return draft_static(drafter, self.state, ctx, self.root, paths, draw, self.length, self._stage())
+
+    def _stage(self) -> Stage | None:
+        """Staged drafting's cheaper stage (trees.Stage): n-gram lookup over each row's history (prompt + answer so
+        far, the root last) and the chain drafted so far, up to stage_lookup tokens; a proposal only where every row
+        has one, cut to the shortest (the drafter keeps a token only where every row's is its own)."""
+        cfg = self.cfg
+        if not cfg.stage_lookup:
+            return None
+        history = [self.prompt_ids[row] + self.out[row] for row in self.rows]
+
+        def propose(chain: torch.Tensor, most: int) -> torch.Tensor | None:
+            found = [ngram_match(h + c, min(most, cfg.stage_lookup), cfg.lookup_min_ngram, cfg.lookup_max_ngram)[0]
+                     for h, c in zip(history, chain.tolist())]
+            k = min(map(len, found))
+            return torch.tensor([f[:k] for f in found], device=chain.device) if k else None  # [B, k]
+
+        return propose
 
     def _lookup(self) -> Round | None:
         """An n-gram lookup round when every row still decoding has a match (history: prompt + answer so far, the
@@ -358,6 +382,7 @@ class Decode:
         total = wall_clock(dev) - self.t_start
         r = GenerationResult(None, [], self.accepted, self.drafted, cfg.lossless, self.t_first - self.t_start, total)
         r.lookup_rounds = self.lookup_rounds
+        r.draft_passes = self.draft_passes
         marks = self.clock.seconds()  # 4 a round and one after the last: draft | verify | accept | drafter's observe
         for i in range(0, len(marks) - 1, 4):
             t0, t1, t2, t3, t4 = marks[i: i + 5]

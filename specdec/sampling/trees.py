@@ -16,6 +16,9 @@ from specdec.sampling.context import SamplingContext
 from specdec.sampling.verify import process_logits, sample
 
 Path = tuple[int, ...]  # (i_1, ..., i_d): the i_1-th top token at depth 1, then the i_2-th of its children, ...
+# Staged drafting's cheaper stage (`_greedy_chain`): (the chain's tokens after the root so far [B, d], the most tokens
+# it may propose) -> the tokens it proposes for depths d + 1, d + 2, ... [B, k], 1 ≤ k ≤ most, or None (a plain pass)
+Stage = Callable[[torch.Tensor, int], torch.Tensor | None]
 
 
 def chain_paths(gamma: int) -> list[Path]:
@@ -42,6 +45,9 @@ class Round:
     draft_slots: torch.Tensor  # [N] (CPU) round-relative slot each node had during drafting
     q: torch.Tensor | None = None  # [B, N, V] distribution each node's token was sampled from (sampled chains)
     limit: torch.Tensor | None = None  # [B] deepest depth each row proposes (adaptive draft length); None: all
+    # drafter passes (`expand` calls) that drafted it where that is not one per depth (a staged chain, a dynamic tree);
+    # None: one per depth
+    passes: int | None = None
 
     def is_chain(self) -> bool:
         """Whether node i's parent is i - 1 for every node (its accepted nodes are then 0..n-1: nothing to move).
@@ -186,7 +192,7 @@ def static_tree(paths: tuple[Path, ...]) -> StaticTree:
 def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor,
                  paths: Sequence[Sequence[int]],
                  sample_chain: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 length: DraftLength | None = None) -> Round:
+                 length: DraftLength | None = None, stage: Stage | None = None) -> Round:
     """A static tree (chains included; `paths` are closed by `static_tree`): at each depth expand the nodes that have
     children and take, for the child with path P + (k,), the k-th top token of its parent's draft logits. With
     `sample_chain` (sampling at T > 0 on a chain) the single child is instead drawn from the post-processed q, which
@@ -197,10 +203,11 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     the batch, goes as deep as its longest row; Round.limit keeps each row's own length for verification. A chain with
     neither (T = 0, a fixed length) is drafted by `_greedy_chain`: the same drafts with fewer ops; so is a chain that
     fans out at its end (StaticTree.fan); and one row's adaptive chain at T = 0 by the drafter's `adaptive_chain`
-    where it has one that takes the call (the prophet's: one native call on the CPU, which ends the chain itself)."""
+    where it has one that takes the call (the prophet's: one native call on the CPU, which ends the chain itself).
+    `stage` (staged drafting, greedy chains only): the lookup that proposes the drafter's next tokens (`Stage`)."""
     tree = static_tree(tuple(map(tuple, paths)))
     if tree.fan and sample_chain is None and length is None:
-        return _greedy_chain(drafter, state, ctx, root, tree)
+        return _greedy_chain(drafter, state, ctx, root, tree, stage)
     if length is not None and tree.fan == 1 and sample_chain is None and root.shape[0] == 1:
         drafted = drafter.adaptive_chain(state, ctx, root, len(tree.levels), length.threshold)  # [1, d] or None
         if drafted is not None:
@@ -248,27 +255,58 @@ def draft_static(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch
     )
 
 
-def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree) -> Round:
+def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, tree: StaticTree,
+                  stage: Stage | None = None) -> Round:
     """draft_static on a chain at T = 0: each depth's top-1 kept as a column [B] and the columns stacked once, in place
     of the tree's gathers and scatters (four ops a depth fewer, each cold after a verify on a CPU); or the whole chain
     in one call where the drafter's `greedy_chain` takes it (the prophet's and Hydra's: one native call where the
     sampler's engine has one). A chain that fans out at its end (tree.fan > 1) takes its last depth's top
-    `fan` instead of its top-1, the nodes in the tree's order (the chain, then the fan best first)."""
+    `fan` instead of its top-1, the nodes in the tree's order (the chain, then the fan best first).
+    Staged drafting (Spector & Ré 2023): with `stage`, a pass expands the chain's newest node together with the k
+    tokens the stage proposes after it, as a chain of k + 1 nodes in one `expand`; a proposed token is kept while every
+    row's equals the drafter's own argmax at the node before it, and the drafter's own token follows the kept ones. A
+    drafter whose `expand` reads only its nodes' path tokens (Drafter.drafts_from_tokens) then drafts exactly the
+    chain it drafts alone, in one pass per run of kept tokens instead of one per token; slots a pass wrote for tokens
+    that were not kept lie past its newest node, where no query sees them until a later pass has written them again.
+    Without a proposal a pass is the plain one: one node, its top-1."""
     gamma, top = len(tree.levels), tree.fan
-    drafted = drafter.greedy_chain(state, ctx, root, gamma, top)  # [B, γ − 1 + top] or None
+    drafted = None if stage is not None else drafter.greedy_chain(state, ctx, root, gamma, top)  # [B, γ − 1 + top]
     if drafted is not None:
-        tokens = torch.cat([root[:, None], drafted], 1)
-    else:
-        columns = [root[:, None]]  # [B, 1] each: the root, then the token(s) drafted at each depth
-        for level in tree.levels:
+        return Round(tokens=torch.cat([root[:, None], drafted], 1), parents=tree.parents, depth=tree.depth,
+                     ancestors=tree.ancestors, draft_slots=tree.slots)
+    columns = [root[:, None]]  # [B, m] each: the root, then the token(s) each pass drafted
+    d = passes = 0  # depth of the chain's newest node: the one the next pass expands
+    while d < gamma:
+        level = tree.levels[d]
+        # the last depth's node is the newest of its pass, never a proposal: its children are the round's leaves
+        ahead = None  # [B, k] proposed tokens for depths d + 1 .. d + k
+        if stage is not None and d < gamma - 1:
+            ahead = stage(torch.cat(columns[1:], 1) if d else columns[0][:, :0], gamma - 1 - d)
+        if ahead is None:
             if drafter.runs_layers:
                 ctx.tree_layout(level.frontier, level.frontier_depth, level.visible)
             logits = drafter.expand(state, ctx, columns[-1][:, :1], level.parents, level.depth, level.frontier)
-            best = logits[:, 0].argmax(-1, keepdim=True) if level.top == 1 else logits[:, 0].topk(level.top).indices
-            columns.append(drafter.token_ids(best))  # [B, 1, V_d] -> [B, top]
-        tokens = torch.cat(columns, 1)
-    return Round(tokens=tokens, parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
-                 draft_slots=tree.slots)
+            k = 0
+        else:
+            k = ahead.shape[1]
+            nodes = torch.arange(d, d + k + 1)  # a chain's node at depth j is node j, drafted in slot j
+            if drafter.runs_layers:
+                ctx.tree_layout(nodes, nodes, tree.ancestors[d : d + k + 1])
+            # [B, 1 + k, V_d]: the children of the newest node and of each proposed token
+            logits = drafter.expand(state, ctx, torch.cat([columns[-1][:, :1], ahead], 1), nodes - 1, d, nodes)
+        passes += 1
+        kept = 0
+        if k:
+            own = drafter.token_ids(logits[:, :k].argmax(-1))  # [B, k] the drafter's token after each node but the last
+            same = (own == ahead).all(0).tolist()  # [k] on the host: how many are kept decides the next pass
+            kept = same.index(False) if False in same else k
+            if kept:
+                columns.append(ahead[:, :kept])
+        last, want = logits[:, kept], tree.levels[d + kept].top  # [B, V_d] at the newest kept node (depth d + kept)
+        columns.append(drafter.token_ids(last.argmax(-1, keepdim=True) if want == 1 else last.topk(want).indices))
+        d += kept + 1
+    return Round(tokens=torch.cat(columns, 1), parents=tree.parents, depth=tree.depth, ancestors=tree.ancestors,
+                 draft_slots=tree.slots, passes=passes if stage is not None else None)
 
 
 def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torch.Tensor, depth: int,
@@ -292,7 +330,9 @@ def draft_dynamic(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     ranked = sorted(range(1, tree.size), key=lambda i: (-score[i].item(), i))
     if verify_cost is not None:
         budget = cost_budget(score[ranked].exp(), verify_cost, budget)
-    return tree.finish([0] + sorted(ranked[:budget]))
+    rnd = tree.finish([0] + sorted(ranked[:budget]))
+    rnd.passes = depth  # a pruned tree may keep fewer depths than it expanded
+    return rnd
 
 
 def cost_budget(p: torch.Tensor, verify_cost: list[float], most: int) -> int:
