@@ -45,7 +45,10 @@ def default_mask_token(base: Base) -> int:
     if getattr(tok, "mask_token_id", None) is not None:
         return int(tok.mask_token_id)
     used = {getattr(tok, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
-    spare = [i for i in getattr(tok, "all_special_ids", []) if i not in used and i < base.vocab_size]
+    # the added tokens marked special, not only the named ones all_special_ids lists (SmolLM2's are bos, eos, unk)
+    specials = set(getattr(tok, "all_special_ids", [])) | {
+        i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    spare = [i for i in specials if i not in used and i < base.vocab_size]
     return max(spare) if spare else base.vocab_size - 1
 
 

@@ -4,6 +4,8 @@ and the one-line refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -36,9 +38,14 @@ def test_shapes_offsets_and_what_is_saved(base):
 
 
 def test_mask_token(base):
-    class Tok:  # SmolLM2's specials: 0 eos/bos, 1-2 chat markers, 3-16 code-data markers; no mask token
-        mask_token_id, bos_token_id, eos_token_id, pad_token_id, unk_token_id = None, 0, 0, None, None
-        all_special_ids = list(range(17))
+    class Added:  # an added token of the tokenizer's vocabulary
+        def __init__(self, special: bool):
+            self.special = special
+
+    class Tok:  # SmolLM2's: 0 eos/bos, 1-2 chat markers, 3-16 code-data markers (added, special); no mask token
+        mask_token_id, bos_token_id, eos_token_id, pad_token_id, unk_token_id = None, 1, 2, None, 0
+        all_special_ids = [1, 2, 0]  # the named ones only
+        added_tokens_decoder = {i: Added(True) for i in range(17)} | {17: Added(False)}
 
     stub = type("B", (), {"tokenizer": Tok(), "vocab_size": 49152})()
     assert default_mask_token(stub) == 16
@@ -47,6 +54,17 @@ def test_mask_token(base):
     assert DFlash(base, mask_token_id=7, aux_layers=AUX).mask_token_id == 7
     with pytest.raises(ValueError, match=r"mask_token_id 259 is outside the base.s vocabulary \[0, 259\)"):
         DFlash(base, mask_token_id=base.vocab_size, aux_layers=AUX)
+
+
+def test_smollm2s_mask_token_is_its_last_special_token():
+    """On the embedded base's own tokenizer: 16, <empty_output>, the configs' and exports' mask token."""
+    from transformers import AutoTokenizer
+
+    from specdec.base import _smollm2_cache
+
+    tok = AutoTokenizer.from_pretrained(_smollm2_cache(Path("~/.cache/specdec").expanduser()))  # (load_base's)
+    stub = type("B", (), {"tokenizer": tok, "vocab_size": len(tok)})()
+    assert default_mask_token(stub) == 16 and tok.convert_ids_to_tokens(16) == "<empty_output>"
 
 
 def test_each_position_reads_the_context_before_its_anchor_and_its_anchor_token(base):
