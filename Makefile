@@ -190,11 +190,14 @@ tables: setup peers features-completions
 bench: setup peers
 	OMP_NUM_THREADS=$(THREADS) $(PY) experiments/bench_ar.py
 
-# Interop: our speculators-format EAGLE-3 export (specdec/export/eagle3.py) checked by the speculators package's own
-# code, on CPU and offline. Its Eagle3DraftModel.from_pretrained loads the export (verifier: the local base) in its own
-# venv (.interop/, its pins apart from ours); on one HumanEval sequence's base features and tokens its draft logits
-# must match our Eagle3.unroll's (max relative error <= 1e-5, every TTT step) and its greedy draft chain ours, under
-# its default flex attention, sdpa and eager. Writes experiments/results/interop/speculators.md.
+# Interop: our speculators-format exports (specdec/export/{eagle3,peagle,dflash}.py) checked by the speculators
+# package's own code, on CPU and offline, in its own venv (.interop/, its pins apart from ours). Its
+# Eagle3DraftModel, PEagleDraftModel and DFlashDraftModel each load our export of a random drafter by their own
+# from_pretrained (EAGLE-3 and P-EAGLE on SmolLM2; DFlash on a tiny random Qwen3 that make_inputs.py saves to
+# $(INTEROP_RUN)/dflash-verifier, as their DFlash layers are Qwen3's); on one sequence's base features and tokens
+# their draft logits must match ours (Eagle3.unroll, PEagle.forward_train, DFlash.forward_train; max relative error
+# <= 1e-5 per TTT step, depth or block position), their argmaxes ours and their drafts from the last entry ours,
+# under their default flex attention, sdpa and eager. Writes experiments/results/interop/speculators.md.
 .PHONY: interop
 INTEROP_RUN := .interop/run
 interop: setup

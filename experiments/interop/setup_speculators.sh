@@ -33,6 +33,6 @@ test -x "$PY" || python3 -m venv "$VENV"
 # (pip then lists speculators' requirements left out: expected)
 "$PY" -m pip install -q "$TORCH" "${DEPS[@]}"
 # a missing import-time dependency fails here, in one line, rather than inside the check
-HF_HUB_OFFLINE=1 "$PY" -c "import speculators.models.eagle3"
+HF_HUB_OFFLINE=1 "$PY" -c "import speculators.models.eagle3, speculators.models.peagle, speculators.models.dflash"
 echo "$stamp" >"$VENV/.installed"
 echo "speculators venv ready in $(( $(date +%s) - start )) s ($VENV): $(versions)"
