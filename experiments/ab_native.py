@@ -1,4 +1,4 @@
-"""A/B the native library (specdec/engines/cpu/smallm.c and layer.c) against its sources at another git revision, in one
+"""A/B the native library (specdec/engines/cpu/smallm.c, layer.c and chain.c) against its sources at another git revision, in one
 process, the library built now (A) and from REV (B), interleaved per row count, each first in every other round (one that
 always went first read slower). A kernel change is measured as a ratio on one machine state.
 
@@ -41,15 +41,14 @@ from specdec.sampling.cost import WARMUP  # noqa: E402
 
 
 def library_at(rev: str, tmp: Path):
-    """smallm.c and layer.c as they were at git revision `rev` (layer.c where it existed), compiled with the first flag
-    set that builds (as native.py does)."""
+    """The library's sources (smallm.c, layer.c, chain.c) as they were at git revision `rev`, compiled with the first
+    flag set that builds (as native.py does). A revision whose library lacks a function this one calls is refused by
+    native.open_library."""
     texts = {}
-    for name in ("smallm.c", "layer.c"):
-        for folder in ("specdec/engines/cpu", "specdec/sampling"):  # (where the sources lived before the engines)
-            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=ROOT, capture_output=True, text=True)
-            if shown.returncode == 0:
-                texts[name] = shown.stdout
-                break
+    for source in (native.SOURCE, native.LAYER_SOURCE, native.CHAIN_SOURCE):
+        path = source.relative_to(ROOT).as_posix()
+        texts[source.name] = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True,
+                                            text=True, check=True).stdout
     return library_from(texts, tmp, rev)
 
 

@@ -72,7 +72,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3(FeatureDrafter):
     store = STORE
 
-    def __init__(self, base: Base, ttt_steps: int = 7, draft_vocab_size: int | None = 32000,
+    def __init__(self, base: Base, ttt_steps: int = 7, draft_vocab_size: int | None = 8192,
                  aux_layers: list[int] | None = None, fc_norm: bool = False, norm_output: bool = False):
         aux_layers = [int(l) for l in aux_layers] if aux_layers else default_aux_layers(base.num_layers)
         draft_vocab_size = min(draft_vocab_size or base.vocab_size, base.vocab_size)

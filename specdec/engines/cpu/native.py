@@ -36,6 +36,7 @@ from specdec.engines import measure
 SOURCE = Path(__file__).with_name("smallm.c")  # the products (what the kernel table's signature covers)
 LAYER_SOURCE = Path(__file__).with_name("layer.c")  # a whole decoder layer over them (native_layer.py)
 CHAIN_SOURCE = Path(__file__).with_name("chain.c")  # a drafter's greedy chain over both (native_chain.py)
+SOURCES = (SOURCE, LAYER_SOURCE, CHAIN_SOURCE)  # what one library is built from
 CACHE = measure.cache_path("native")
 # tried in order: the first set the compiler accepts is used (-march=native is not on every compiler and target;
 # without OpenMP the kernel runs on one thread and measurement will rarely pick it, but it stays correct)
@@ -53,7 +54,7 @@ def _cpu_signature() -> str:
 def _build(compiler: str) -> Path | None:
     """The shared library for this CPU, compiled now unless cached; None when no flag set compiles."""
     global build_s
-    sources = [SOURCE, LAYER_SOURCE, CHAIN_SOURCE]
+    sources = list(SOURCES)
     source = b"".join(s.read_bytes() for s in sources)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -105,7 +106,7 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEC_NATIVE", "1") == "0":
         return None
     compiler = find_compiler()
-    if compiler is None or not all(s.exists() for s in (SOURCE, LAYER_SOURCE, CHAIN_SOURCE)):
+    if compiler is None or not all(s.exists() for s in SOURCES):
         return None
     path = _build(compiler)
     if path is None:
@@ -117,72 +118,43 @@ def _load() -> ctypes.CDLL | None:
 
 
 def open_library(path: Path | str) -> ctypes.CDLL:
-    """A built smallm library with its functions' signatures set (experiments/ab_native.py opens another revision's)."""
+    """A built smallm library with its functions' signatures set (AttributeError: a library built from other sources,
+    which lacks one of them)."""
     # PyTorch (imported above) has loaded its OpenMP runtime; the library's libgomp/libomp dependency binds to that
     # one by its soname, so both share one thread pool instead of two fighting over the cores
     lib = ctypes.CDLL(str(path))
-    products = ("smallm_gemm", "smallm_gemm_bf16", "smallm_packed", "smallm_packed_bf16", "smallm_packed_q4",
-                "smallm_packed_q8", "smallm_q4a8")
-    for fn in (getattr(lib, name) for name in products if hasattr(lib, name)):  # (another revision's may lack some)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.smallm_pack_rows.restype = ctypes.c_int
-    if hasattr(lib, "smallm_calibrate"):  # which blocks serve > 6 rows (another revision's library may lack it)
-        for name in ("smallm_calibrate", "smallm_reassociated_rows", "smallm_set_reassociated_rows"):
-            getattr(lib, name).restype = ctypes.c_int
-        lib.smallm_set_reassociated_rows.argtypes = [ctypes.c_int]
-        lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
-    if hasattr(lib, "smallm_set_prefetch"):  # (another revision's library may lack these)
-        lib.smallm_set_prefetch.restype = lib.smallm_prefetch.restype = lib.smallm_block_rows.restype = ctypes.c_int
-        lib.smallm_set_prefetch.argtypes = [ctypes.c_int, ctypes.c_int]
-        lib.smallm_prefetch.argtypes = [ctypes.c_int]
-        lib.smallm_block_rows.argtypes = []
-    if hasattr(lib, "smallm_fma_peak"):
-        lib.smallm_fma_peak.restype = ctypes.c_double
-        lib.smallm_fma_peak.argtypes = [ctypes.c_int]
-    if hasattr(lib, "smallm_q4a8_simd"):  # (another revision's library may lack it)
-        lib.smallm_q4a8_simd.restype = ctypes.c_int
-        lib.smallm_q4a8_simd.argtypes = []
-    if hasattr(lib, "smallm_evict"):  # (another revision's library may lack it)
-        lib.smallm_evict.restype = None
-        lib.smallm_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
-    layer = getattr(lib, "smallm_layer", None)  # (ab_native.py opens libraries of revisions without layer.c)
-    if layer is not None:
-        layer.restype = ctypes.c_int
-        layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.smallm_layer_scratch.restype = ctypes.c_long
-        lib.smallm_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.smallm_layers.restype = ctypes.c_int
-        lib.smallm_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        normed = getattr(lib, "smallm_layers_normed", None)  # (another revision's library may lack these two)
-        if normed is not None:
-            normed.restype = ctypes.c_int
-            normed.argtypes = lib.smallm_layers.argtypes + [ctypes.c_void_p, ctypes.c_float]
-            lib.smallm_rms_norm.restype = None
-            lib.smallm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                            ctypes.c_int, ctypes.c_float]
-    chain = getattr(lib, "smallm_feature_chain", None)  # (another revision's library may lack it)
-    if chain is not None:
-        chain.restype = ctypes.c_int
-        chain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_float]
-        lib.smallm_chain_work.restype = ctypes.c_long
-        lib.smallm_chain_work.argtypes = [ctypes.c_void_p]
-        lib.smallm_head_chain.restype = ctypes.c_int
-        lib.smallm_head_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        lib.smallm_head_chain_work.restype = ctypes.c_long
-        lib.smallm_head_chain_work.argtypes = [ctypes.c_int] * 3
-        lib.smallm_feature_entries.restype = ctypes.c_int
-        lib.smallm_feature_entries.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                               ctypes.c_int] + [ctypes.c_void_p] * 4 + \
-            [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_int]
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+
+    def sign(name: str, restype, argtypes: list | None = None) -> None:
+        fn = getattr(lib, name)
+        fn.restype = restype
+        if argtypes is not None:
+            fn.argtypes = argtypes
+
+    for name in ("smallm_gemm", "smallm_gemm_bf16", "smallm_packed", "smallm_packed_bf16", "smallm_packed_q4",
+                 "smallm_packed_q8", "smallm_q4a8"):
+        sign(name, None, [vp] * 3 + [i32] * 4)
+    sign("smallm_pack_rows", i32)
+    for name in ("smallm_calibrate", "smallm_reassociated_rows"):  # which blocks serve > 6 rows
+        sign(name, i32)
+    sign("smallm_set_reassociated_rows", i32, [i32])
+    sign("smallm_set_prefetch", i32, [i32, i32])
+    sign("smallm_prefetch", i32, [i32])
+    sign("smallm_block_rows", i32, [])
+    sign("smallm_fma_peak", ctypes.c_double, [i32])
+    sign("smallm_q4a8_simd", i32, [])
+    sign("smallm_evict", None, [vp, ctypes.c_long])
+    sign("smallm_layer", i32, [vp, vp, i32, vp, vp, vp, i32, vp, vp, i32])
+    sign("smallm_layer_scratch", ctypes.c_long, [vp, i32, i32, i32])
+    sign("smallm_layers", i32, [vp, i32, vp, i32, vp, vp, vp, i32, vp, vp, i32, vp])
+    sign("smallm_layers_normed", i32, lib.smallm_layers.argtypes + [vp, ctypes.c_float])
+    sign("smallm_rms_norm", None, [vp, vp, vp, i32, i32, ctypes.c_float])
+    sign("smallm_feature_chain", i32, [vp, vp, i32, vp, vp, ctypes.c_int64, vp, vp, i32, vp, vp, ctypes.c_float])
+    sign("smallm_chain_work", ctypes.c_long, [vp])
+    sign("smallm_head_chain", i32, [vp, i32, i32, vp, vp, i32, i32, vp, ctypes.c_int64, vp, i32, vp])
+    sign("smallm_head_chain_work", ctypes.c_long, [i32] * 3)
+    sign("smallm_feature_entries", i32, [vp, vp, i32, vp, i32] + [vp] * 4 + [i32, vp, vp, vp, i32, vp, vp, i32])
+    lib.smallm_calibrate()  # a few ms: measured in every process, as the library runs here and now
     return lib
 
 
@@ -200,8 +172,7 @@ def reassociated_rows() -> int:
 def block_rows() -> int:
     """The most x rows one pass of the compact kernels takes (their block heights are 1..this; 0: no library, or one
     whose prefetch distance is fixed)."""
-    lib = _library() if available() else None
-    return lib.smallm_block_rows() if lib is not None and hasattr(lib, "smallm_block_rows") else 0
+    return _library().smallm_block_rows() if available() else 0
 
 
 def prefetch(rows: int) -> int:
@@ -237,7 +208,7 @@ def int8_dots() -> bool:
     AVX2's multiply-adds); its plain C form elsewhere is correct but never the faster, so the kernel table does not
     offer it there."""
     lib = _load()
-    return lib is not None and hasattr(lib, "smallm_q4a8_simd") and lib.smallm_q4a8_simd() > 0
+    return lib is not None and lib.smallm_q4a8_simd() > 0
 
 
 def evict(t: torch.Tensor) -> None:

@@ -100,7 +100,7 @@ def _chain(drafter: nn.Module, parts: ChainParts, ctx: SamplingContext, x: torch
     """The drafter's FeatureChain for this decode, or None where chain.c takes no call: no library, off the CPU, several
     rows, not float32 (x [B, n, H]), no native layers for one row, a norm of another formula."""
     lib = native._load()
-    if (lib is None or not hasattr(lib, "smallm_feature_entries") or x.device.type != "cpu" or x.shape[0] != 1
+    if (lib is None or x.device.type != "cpu" or x.shape[0] != 1
             or x.dtype != torch.float32):
         return None
     # the native forms the sampler attached to the first block for this decode (`native_layer.attach` gives each decode
@@ -275,7 +275,7 @@ def head_chain(drafter: nn.Module, heads: list[HeadParts], embed: torch.Tensor, 
     place of its top-1); None where chain.c does not take it: no library, off the CPU, several rows, not float32
     (`HeadChain.supports`)."""
     lib = native._load()
-    if (lib is None or not hasattr(lib, "smallm_head_chain") or h.device.type != "cpu" or h.shape[0] != 1
+    if (lib is None or h.device.type != "cpu" or h.shape[0] != 1
             or h.dtype != torch.float32):
         return None
     chains = _HEADS.setdefault(drafter, {})

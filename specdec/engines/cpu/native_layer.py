@@ -120,7 +120,7 @@ class NativeLayer:
         norm1, norm2, o_proj, down_proj, act = fast._parts
         weights = (fast.qkv.weight, o_proj.weight, fast.gate_up.weight, down_proj.weight)
         norms = [getattr(m, "weight", None) for m in fast.norms]  # read by address: [H] float32, contiguous
-        return (native.available() and hasattr(native._library(), "smallm_layer")
+        return (native.available()
                 and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
                 and all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
                         and w.is_contiguous() and w.shape == (weights[0].shape[1],) for w in norms)
@@ -188,7 +188,7 @@ def run_stack(fasts: Sequence[LeanLayer], hidden: torch.Tensor, rope: tuple[torc
     natives = [for_rows(f, n) for f in fasts]
     if any(layer is None for layer in natives):
         return None
-    rms = rms_form(norm) if norm is not None and hasattr(natives[0].lib, "smallm_layers_normed") else None
+    rms = rms_form(norm) if norm is not None else None
     done = _run_stack(natives, hidden, rope, mask, cache, keep, rms)
     if done is None or norm is None or rms is not None:
         return done

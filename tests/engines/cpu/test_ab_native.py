@@ -14,7 +14,8 @@ def test_a_library_from_other_sources_is_the_one_that_runs(tmp_path):
     source = native.SOURCE.read_text()
     assert "#define QPREFETCH 4096" in source
     # another revision of smallm.c: its compiled-in prefetch distance differs, its products do not
-    other = ab.library_from({"smallm.c": source.replace("#define QPREFETCH 4096", "#define QPREFETCH 12288")},
+    other = ab.library_from({"smallm.c": source.replace("#define QPREFETCH 4096", "#define QPREFETCH 12288"),
+                             "layer.c": native.LAYER_SOURCE.read_text(), "chain.c": native.CHAIN_SOURCE.read_text()},
                             tmp_path, "a changed prefetch")
     assert other is not native._library() and other.smallm_prefetch(1) == 12288
     w, x = torch.randn(100, 48), torch.randn(5, 48)  # 100 rows: a partly filled last packed block

@@ -100,7 +100,7 @@ def test_builds_without_avx512_read_the_same_numbers_from_the_float16_scales(kin
         builds.append(["-O3", "-mavx2", "-mfma", "-mf16c"])
     for n, flags in enumerate(builds):
         built = tmp_path / f"smallm_{n}.so"
-        assert native.compile_library(native.find_compiler(), flags, [native.SOURCE], built)
+        assert native.compile_library(native.find_compiler(), flags, native.SOURCES, built)
         lib = native.open_library(built)
         packed = getattr(compact, f"pack_{kind}")(*blocks, r=lib.smallm_pack_rows())
         for rows in (1, 5):
@@ -363,7 +363,7 @@ def test_q4a8_products_are_the_codes_times_int8_inputs(tmp_path):
     others = []
     for simd, flags in builds.items():
         built = tmp_path / f"smallm_{simd}.so"
-        assert native.compile_library(native.find_compiler(), flags, [native.SOURCE], built)
+        assert native.compile_library(native.find_compiler(), flags, native.SOURCES, built)
         others.append(native.open_library(built))
         assert others[-1].smallm_q4a8_simd() == simd
     for rows in (1, 2, 3, 4, 5, 9):

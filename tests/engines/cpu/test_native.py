@@ -130,8 +130,7 @@ def test_a_flag_set_that_fails_says_why(fresh, monkeypatch, capsys):
     broken, other = fresh.parent / "broken.c", fresh.parent / "other.c"
     broken.write_text("#ifdef BREAK\n#error broken on purpose\n#endif\nint f(void) { return 1; }\n")
     other.write_text("int g(void) { return 2; }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
-    monkeypatch.setattr(native, "LAYER_SOURCE", other)
+    monkeypatch.setattr(native, "SOURCES", (broken, other))
     monkeypatch.setattr(native, "FLAGS", (["-O1", "-DBREAK"], ["-O1"]))
     path = native._build(native.find_compiler())
     assert path is not None and path.name.endswith("-O1.so")
