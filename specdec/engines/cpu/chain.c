@@ -4,8 +4,8 @@
 Each depth of such a chain is: the parent's predicted feature ĥ and the embedding of the token drafted from it, the
 embedding RMSNormed, through fc [H, 2H]; the drafter's decoder layers over that one row (layer.c); the final RMSNorm
 (-> this depth's ĥ); the vocab head and its argmax (-> the next token). From Python a depth is ~40 ops and four
-layer stacks' worth of argument handling: on a 2-core Zen 5 EPYC the prophet's depth took ~315 µs with 58 µs of it in
-the native layer call and ~60 in the head's product. Here the whole chain is one call.
+layer stacks' worth of argument handling, whose dispatch costs more than the native layers and the head's product
+themselves at one row. Here the whole chain is one call.
 
 The math is the Python path's (specdec/drafters/prophet.py: `step_input`, `readout`, `expand`): the same products from
 the same weight copies where the caller passes those (native_chain.py), the norms by layer.c's formula, the argmax the

@@ -1,20 +1,17 @@
 /* One Llama-style decoder layer for a batch of one row, in native code: what specdec/sampling/lean.py's LeanLayer
 computes, in one call instead of ~15 PyTorch ops.
 
-On a 2-core CPU an AR step of SmolLM2-135M spends ~16 of its ~40 ms outside the products: each of the ~15 ops a lean
-layer dispatches per token costs microseconds of framework overhead, 30 layers times over. Here the layer is one
+An AR step of a small model (SmolLM2-135M) spends a large share of its time outside the products: each of the ~15 ops a
+lean layer dispatches per token costs microseconds of framework overhead, 30 layers times over. Here the layer is one
 ctypes call: RMSNorm, the fused q|k|v product, rotary on q and k, the keys and values written into the slot cache,
 attention over the cache window (with the caller's additive mask, or none), the output product and residual, RMSNorm,
-the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernels,
-each over its weight in the form the caller chose: float32, bfloat16 (a drafter's rounded copy under
-draft_precision=bf16, or a weight that holds bfloat16 values exactly), or an exact compact form (compact.py's q4 / q8:
-the same float32 numbers from about a fifth or a quarter of the bytes); everything else vectorised here; smallm_layers
-runs a model's whole stack in one call.
-(make bench, 2-core Intel Xeon family 6 model 167: a pass through SmolLM2's 30 layers 14.9 ms at one token against
-25.3 ms for the lean layers with their measured kernels, and 24.4 against 46.1 ms at 12 tokens; from SmolLM2's exact
-compact forms, 5.2 ms at one token and 12.7 at 12.) Numbers: the same math as the lean layer in
-float32, summed in another order (native.py checks every layer against the lean one before it is used, and measurement
-decides whether it is used at all: see native_layer.py).
+the fused gate|up product, SiLU·up, the down product and residual. The four products are smallm.c's packed kernels, each
+over its weight in the form the caller chose: float32, bfloat16 (a drafter's rounded copy under draft_precision=bf16, or
+a weight that holds bfloat16 values exactly), or an exact compact form (compact.py's q4 / q8: the same float32 numbers
+from about a fifth or a quarter of the bytes); everything else vectorised here; smallm_layers runs a model's whole stack
+in one call, so a forward's layers pay one call's overhead. Numbers: the same math as the lean layer in float32, summed
+in another order (native.py checks every layer against the lean one before it is used, and measurement decides whether
+it is used at all: see native_layer.py).
 
 Built into the same library as smallm.c (native.py compiles both). */
 
@@ -213,11 +210,10 @@ static inline fvec lane_sums(const fvec *b) { /* b: the PLANES/2 pair_sums */
    forward the layers' weights have evicted them since the last one); the queries' later passes find them in the cache.
    sc: nq·(w1 - w0 + PLANES + 1) floats of scratch. Out: the normalised output out[i], or where part is not NULL, per
    query its softmax's max and sum and the unnormalised Σ p·v (part: [nq] maxima, [nq] sums, [nq, d]).
-   Against the per-(head, row) `attend` and the queries-in-lanes `attend_lanes` it replaces (Zen 5
-   EPYC family 26 model 2, a layer's attention over 128 + n keys, caches warm, experiments-style one-off): 3.3 / 5.8 /
-   9.1 / 15.8 / 16.1 / 30.8 µs at n = 1 / 2 / 3 / 5 / 9 / 16 before, 2.8 / 4.4 / 6.5 / 9.9 / 17.3 / 29.5 after. In
-   the verify forward, where the keys and values come from memory (ab_native.py --forward, 20 interleaved rounds):
-   1.03 / 1.01 / 1.03 faster at n = 2 / 3 / 5, the same at 1 and 9. */
+   Keys in the lanes, rather than one (head, row) at a time or the queries in the lanes: one kv head's keys and values
+   serve all its queries, and PLANES scores take one lane_sums where a score each would take a horizontal sum, which
+   pays most at a verify's few rows and is about even past them (experiments/ab_native.py --forward times the verify
+   forward against another revision). */
 #define QB (PLANES == 16 ? 6 : 2) /* queries per pass over the values: QB·d/PLANES accumulators */
 static inline __attribute__((always_inline)) void attend_keys(const float *const *qs, const float *const *ms, int nq,
                                                               const float *K, const float *V, int w0, int w1, int d,
@@ -458,8 +454,8 @@ int smallm_layers(const layer_t *const *layers, int count, float *h, int n, cons
 }
 
 /* smallm_layers, then the model's final RMSNorm (weight norm [H], eps) over h in place: a forward's last op in the
-   same call. Run as a PyTorch op after the layers, the norm took 90-120 µs on the 2-core Xeon (family 6 model 167),
-   its code and data evicted from the caches by the layers' weights, against ~19 µs for a second call. */
+   same call. Run as a PyTorch op after the layers, the norm pays for its code and data coming back into the caches
+   after the layers' weights evicted them, several times what it costs with them warm. */
 int smallm_layers_normed(const layer_t *const *layers, int count, float *h, int n, const float *cos, const float *sin,
                          const int64_t *slots, int width, const float *mask, float *scratch, int threads,
                          float *const *keep, const float *norm, float eps) {

@@ -3,20 +3,16 @@
 BLAS kernels are tuned for large M; at M = 1..16 some of them read the weight more than once or leave the cores
 idle (see kernels.py). Here each thread streams its own contiguous block of W's rows exactly once and, per weight
 row, keeps the M dot products in registers while the x rows (M·I floats) stay in L1/L2: for the M of a verify block
-the product costs little more than reading W once (960×576 on a Zen 3 EPYC: 128 µs at 1 row, 186 at 5, against 211
-and 317 for PyTorch's default). Rows beyond BLOCK are done BLOCK at a time.
+the product costs little more than reading W once. Rows beyond BLOCK are done BLOCK at a time.
 
 smallm_packed does the same product from W packed in blocks of PACK output rows laid out column by column
 ([ceil(O/PACK), I, PACK], zero-padded; smallm_pack_rows() tells PACK): per input column it loads PACK weights (two
 vectors) once, broadcasts each x row's value and adds into 2·M vector accumulators, so there are no horizontal sums,
 one pass over W per thread (read as STREAMS concurrent runs, see PACKED_BLOCK), and every weight load serves all M
 rows. The row-major kernel above turns compute-bound from M = 3 on; this one stays near the cost of reading W once
-up to 12 rows. One pass over SmolLM2's products (its 120 decode linears and the lm_head), 2 threads: Zen 4 EPYC, one
-run (experiments/bench_native.py), row-major 11.9 / 17.5 / 24.2 / 42.4 / 56.0 ms at 1 / 3 / 5 / 8 / 12 rows, packed
-10.9 / 10.8 / 11.0 / 13.0 / 18.4 ms; Intel Xeon (family 6 model 167), packed with one stream 24.0 / 29.4 / 34.3 /
-36.7 / 39.5 ms and with four 21.0 / 23.8 / 24.6 / 26.7 / 32.4 ms (experiments/ab_native.py against the one-stream
-revision: both in one run, interleaved). The layout is a second copy of the weight, made once per weight by kernels.py where measurement
-picks this kernel; smallm_packed_bf16 reads a bfloat16 copy (see below).
+up to 12 rows (experiments/bench_native.py times both over a model's products). The layout is a second copy of the
+weight, made once per weight by kernels.py where measurement picks this kernel; smallm_packed_bf16 reads a bfloat16
+copy (see below).
 
 smallm_gemm_bf16 is the same product with W stored as bfloat16 (the upper half of each float32: widening is a shift),
 x and the sums in float32: half the bytes to stream, for a drafter's weights, where a rounded weight changes only what
@@ -150,8 +146,7 @@ times PACK outputs in 2·MB accumulators; x[m, i] is broadcast against the block
 constant (one function per height), so the accumulators stay in registers. The block's columns are read as STREAMS
 runs at once (columns i, i + I/S, i + 2I/S, ...: S sequential streams, each in its own pages, into the same
 accumulators): one core following one stream keeps too few cache misses in flight to reach its share of the
-bandwidth, and several streams give the prefetcher more to fetch at once (on a 2-core Intel Xeon, a pass over
-SmolLM2's products at 5 rows 34.3 ms with one stream, 24.6 with four; see the header). */
+bandwidth, and several streams give the prefetcher more to fetch at once. */
 #define PACKED_COLUMN(PLOAD, MB, c) \
     do { \
         const pvec w0 = PLOAD(wb + (size_t)(c) * PACK), w1 = PLOAD(wb + (size_t)(c) * PACK + PLANES); \
@@ -203,20 +198,15 @@ registers to the float32 number the model holds: q4 fma(d, q, m), which is the o
 q8 d·q (exact); then the same broadcast-and-accumulate as the packed kernel. About a quarter (q8) to a sixth (q4) of
 the float32 bytes to stream, paid for with a few vector ops per column, shared by all the block's x rows.
 The scales are float16 because llama.cpp's are (an exact form's d and m are float16 numbers: compact.py) and a
-decode step at one row streams the weights' bytes: float32 scales were a sixth of q4's (SmolLM2's products: 96 MB a
-step against 111). A pass over SmolLM2's 120 layer products, 2-core Zen 5 EPYC (family 26 model 2), 15 interleaved
-rounds of a one-off driver over both libraries (outputs bit-identical): 1.62 / 1.73 / 1.89 / 2.61 / 3.95 ms at 1 / 2 /
-3 / 5 / 8 rows against 2.01 / 2.07 / 2.24 / 2.78 / 4.04 with float32 scales. */
+decode step at one row streams the weights' bytes: float32 scales would add about a sixth to a step's bytes
+(SmolLM2's products: 111 MB a step against 96) for the same numbers. */
 #define QGROUP 32
-/* Each group's codes are asked for this many bytes ahead (into every cache level: prefetcht0). The hardware prefetcher
-   alone left the decode waiting on memory: a pass over SmolLM2's 120 layer products at 1 / 5 / 12 rows took 5.2 / 7.7 /
-   12.0 ms without, 3.5 / 5.7 / 10.3 ms with it, 2-core Xeon (family 6 model 167); 2 KB ahead or a prefetch that skips
-   the near caches gained less. A prefetch past the weight's end is harmless (it never faults). How far ahead pays
-   differs by CPU and by rows: on a Zen 5 EPYC (family 26 model 2) 8192 bytes made the verify forward of 2-4 tokens
-   5-7 % faster than 4096 and changed nothing from 6 (experiments/ab_native.py --forward
-   --prefetch), while the Xeon above had taken 4096 over 2048. So the distance is per block height (x rows a pass),
-   measured per machine through a base's stack of native layers (native_layer.tune_prefetch) and set with
-   smallm_set_prefetch; QPREFETCH until then. */
+/* Each group's codes are asked for this many bytes ahead (into every cache level: prefetcht0, which serves the decode
+   better than a prefetch that skips the near caches): the hardware prefetcher alone leaves the decode waiting on
+   memory. A prefetch past the weight's end is harmless (it never faults). How far ahead pays differs by CPU and by
+   rows, so the distance is per block height (x rows a pass), measured per machine through a base's stack of native
+   layers (native_layer.tune_prefetch) and set with smallm_set_prefetch; QPREFETCH until then
+   (experiments/ab_native.py --forward --prefetch compares distances). */
 #define QPREFETCH 4096
 static int qprefetch[13] = {QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH,
                             QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH, QPREFETCH};
@@ -251,8 +241,7 @@ static inline pvec_i32 widen(const uint8_t *p, const int is_signed) {
 
 #if defined(__AVX512F__)
 #define QBLOCK 12 /* 2·12 accumulators + 4 scale vectors + the decoded weights: 32 registers (x is a memory operand);
-                     against 8, one decode of each weight serves a 9-12 token verify (17.4 vs 20.3 ms over SmolLM2's
-                     products at 12 rows on the 2-core Xeon) */
+                     12 rather than 8, so that one decode of each weight serves a whole 9-12 token verify */
 #else
 #define QBLOCK 4 /* 2·4 accumulators + 4 scale vectors + the decoded weights within AVX2's 16 registers */
 #endif
@@ -356,18 +345,13 @@ static const block_fn Q4[13] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_
    to per-group sums held in 2·MB more accumulators (up to 6 rows in AVX-512's 32 registers). That is 4 + 2·MB vector
    ops a column instead of 7 + 2·MB (q4) or 6 + 2·MB (q8). Still the weights' exact numbers, only the float32 sums in
    another order (a q4 weight is no longer rounded to float32 on its own; against float64, the sums' largest error
-   relative to Σ|x·w| was no larger). A pass over SmolLM2's 121 products (Q4_1 layers, Q8_0 lm_head), 2-core Xeon
-   (family 6 model 167), 15 interleaved rounds: 5.0 / 5.1 / 5.6 / 6.8 / 7.5 ms at 1 / 2 / 3 / 5 / 6 rows before, 4.6 /
-   4.6 / 5.1 / 6.3 / 7.1 after (experiments/ab_native.py --compact --rev <before>). With up to six rows, two sets of
-   partial sums (even and odd columns) keep 8-24 FMA chains in flight instead of 4-12 (a Zen 5 EPYC, family 26 model 2,
-   needs ~8 to fill its two FMA pipes): the verify forward there, `ab_native.py --forward --rev <split up to 2 rows>`,
-   1.11 / 1.08 faster at 3 / 4 tokens with the split up to 4 rows; up to 6, a pass over SmolLM2's products 1.03 / 1.04
-   faster at 5 / 6 rows again (a one-off driver over the library, interleaved).
+   relative to Σ|x·w| was no larger). With up to six rows, two sets of partial sums (even and odd columns) keep 8-24
+   FMA chains in flight instead of 4-12: a core with two FMA pipes needs about 8 independent chains to keep both busy,
+   more than one set gives at the fewest rows.
    Past 6 rows the totals no longer fit in registers beside the partial sums; the compiler then keeps some in memory,
-   touched once a group. On that Zen 5 these blocks up to 12 rows (and in blocks of 12 past that) still beat the plain
-   ones, 1.05 / 1.03 / 1.01 / 1.05 at 8 / 9 / 12 / 16 rows; by a few per cent, and on another CPU the totals' trips to
-   memory may cost more than the decode ops they save, so which serves more than 6 rows is measured where the library
-   loads (smallm_calibrate). */
+   touched once a group. Whether the decode ops these blocks save still outweigh the totals' trips to memory differs
+   by CPU, by a few per cent either way, so which serves more than 6 rows is measured where the library loads
+   (smallm_calibrate). */
 #define QS_HEIGHT 12
 #define QS_SAFE 6 /* the rows the reassociated blocks always serve (their totals in registers) */
 #define QS_SPLIT(MB) ((MB) <= 6 ? 2 : 1)
@@ -452,13 +436,11 @@ static const block_fn Q8[13] = {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_
 /* Q4_1 weights times activations rounded to 8 bits: a drafter's products under draft_precision=q4a8, where a rounded
 input, like a rounded weight, changes what is drafted, never what the base accepts (llama.cpp's Q4_1 · Q8_1 dot).
 The float32 kernels above are compute-bound at one row: each weight costs a decode to float32 and an FMA per row, 4-6
-vector ops for 32 weights (a Hydra head and its 8,192-row draft vocab head, 5.7 M weights: 73 µs from the caches on a
-2-core Zen 5 EPYC, 154 µs right after a verify streamed the base). Here a row's x is rounded per group of 32 columns
-to int8 (x ≈ s·xq, s = the group's largest magnitude / 127) and the codes multiply xq as integers, four columns a
-32-bit lane: AVX-512 VNNI's vpdpbusd sums 64 code·xq products in one instruction. Per group, Σ w·x ≈ d·s·Σ q·xq + m·Σ x
-(Σ x in float32, so the offsets see x unrounded). The 8,192-row draft vocab head [8192, 576] at one row on that Zen 5:
-26 µs from the caches against q4's 44, 49 µs from memory against 57 (its bytes: 2.9 MB against 3.5;
-compact.gemm timed in a loop, evicted before each call for the second pair).
+vector ops for 32 weights. Here a row's x is rounded per group of 32 columns to int8 (x ≈ s·xq, s = the group's largest
+magnitude / 127) and the codes multiply xq as integers, four columns a 32-bit lane: AVX-512 VNNI's vpdpbusd sums 64
+code·xq products in one instruction. Per group, Σ w·x ≈ d·s·Σ q·xq + m·Σ x (Σ x in float32, so the offsets see x
+unrounded). Fewer ops a weight than q4's decode, so a drafter's product at one row costs less from the caches and from
+memory alike; the kernel table times it against the others where it offers it.
 Layout (compact.pack_q4a8), per block of A8_ROWS output rows and per group of 32 columns: d [16] and m [16] float16,
 then 4 units of 64 bytes; byte 4r + k of unit u holds row r's code of column 4u + k in its low nibble and of column
 16 + 4u + k in its high one: 0.625 bytes per weight. With AVX2 alone the same sums by vpmaddubsw and vpmaddwd (three
@@ -741,10 +723,9 @@ void smallm_q4a8(const float *x, const void *wp, float *y, int M, int I, int O, 
    rows, each asks for the first bytes of its own rows of w (as many as the compact kernels' prefetch distance at that
    many rows: the bytes their own prefetches, always that far ahead, never ask for). A product then starts on weights
    already on the way instead of waiting on memory while the hardware prefetcher ramps up: each of a layer stack's 120
-   products is a new stream, 0.1-1 MB. Only the next product call reads it (and forgets it). SmolLM2's verify forward
-   (layer.c names each product of its stack), 2-core Zen 5 EPYC (family 26 model 2), `experiments/ab_native.py --rev
-   <without> --forward --rows 1 2 5`: 1.094× faster at one token, unchanged at 2 and 5 (their distances are shorter and
-   their products longer); twice those bytes gained 1.016× more at one token, within the noise. */
+   products is a new stream, 0.1-1 MB. Only the next product call reads it (and forgets it). layer.c names each
+   product of its stack. It pays most at one row, where a product is shortest: at more rows it runs longer, so the
+   ramp-up is a smaller share of it. */
 void smallm_next(const void *w, int form, int I, int O, int rows) {
     const int groups = I / QGROUP, packs = (O + PACK - 1) / PACK;
     head_t h = {(const uint8_t *)w, 0, packs, qprefetch[rows >= 1 && rows <= 12 ? rows : 12]};
@@ -838,9 +819,9 @@ int smallm_calibrate(void) {
 }
 
 /* This CPU's float32 FMA throughput on `threads` threads (FLOP/s): the compute roof make bench draws the products
-   against. PyTorch's large product is no measure of it where MKL does not use the CPU's widest vectors (on a Zen 5 EPYC
-   its 2048² sgemm ran at 218 GFLOP/s, this at ~525: 2 cores × 2 FMA pipes × 16 lanes × 2 flops × ~4.1 GHz). 12
-   independent accumulators of the packed kernels' vector width per thread, best of 3, ~20 ms. */
+   against. PyTorch's large product is no measure of it where MKL does not use the CPU's widest vectors (the roof is
+   cores × FMA pipes × lanes × 2 flops × clock; a product on narrower vectors stops well short of it). 12 independent
+   accumulators of the packed kernels' vector width per thread, best of 3, ~20 ms. */
 double smallm_fma_peak(int threads) {
     double best = 0.0;
     for (int rep = 0; rep < 3; rep++) {
