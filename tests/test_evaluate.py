@@ -75,6 +75,10 @@ def test_evaluate_end_to_end(tmp_path, questions):
         assert (out / name).stat().st_size > 0
     md = (out / "report.md").read_text()
     assert "```yaml" in md and "| medusa | yes |" in md and "speedup vs HF generate" in md
+    # which path each forward took: the engine's name and one line per forward kind, the drafter's included
+    engine = report["header"]["engine"]
+    assert engine["name"] == "cpu" and {"base layers", "lm_head", "verify argmax"} <= set(engine)
+    assert f"- **engine**: {engine['name']}" in md and f"  - verify argmax: {engine['verify argmax']}" in md
     # nothing overwritten silently: the same config returns the earlier report, another config is refused
     before = (out / "results.json").stat().st_mtime_ns
     assert evaluate(cfg)["header"] == json.loads((out / "results.json").read_text())["header"]

@@ -159,7 +159,12 @@ def tabulate(cfg, base, items, methods, runs, sampler, metas, costs: dict[int, f
 def render_markdown(report: dict, config_yaml: str) -> str:
     h, cats = report["header"], report["categories"]
     lines = ["# specdec evaluation", "", "```yaml", config_yaml.rstrip(), "```", ""]
-    lines += [f"- **{k}**: {v}" for k, v in h.items() if k != "drafters"]
+    for k, v in h.items():
+        if isinstance(v, dict) and k != "drafters":  # (the engine's paths: one line each)
+            lines += [f"- **{k}**: {v.get('name', '')}"] + [f"  - {kind}: {path}" for kind, path in v.items()
+                                                             if kind != "name"]
+        elif k != "drafters":
+            lines.append(f"- **{k}**: {v}")
     cat_cols = [f"{c} ×AR" for c in cats] if len(cats) > 1 else []
     best = h.get("best_ar", AR)
     hf = any(r["method"] == "hf_generate" for r in report["rows"])  # its column only where it ran

@@ -55,10 +55,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     items = [dict(it, passed=p) for p in range(passes) for it in prompts]
     with ExitStack() as servers:  # llama.cpp peers' server processes, stopped however the evaluation ends
         methods = build_methods(cfg, base, drafters, sampler, engine, servers)
-        return _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods)
+        return _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods,
+                        list(drafters.values()))
 
 
-def _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods) -> dict[str, Any]:
+def _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items, methods, drafters=()
+             ) -> dict[str, Any]:
     """evaluate's timed part, with every method built: warm-up, the turns, the reference, the report."""
     passes = int(cfg.get("passes", 1))
     # Each method's runs are kept as soon as each of its prompts finishes: a killed evaluation rerun into the same
@@ -98,6 +100,8 @@ def _measure(cfg, out_dir, config, base, metas, sampler, engine, prompts, items,
     reference = _reference(cfg, base, prompts, sampler, runs, out_dir, config)
 
     report = tabulate(cfg, base, items, methods, runs, sampler, metas, costs, reference, passes)
+    # which path each kind of forward took here (what the engine measured by now: a newcomer can say what ran)
+    report["header"]["engine"] = {"name": engine.name, **engine.paths(base, drafters)}
     report["config"] = config
     report["header"]["resumed"] = resumed  # timed in an earlier process: their ratios cross two runs
     write_report(out_dir, cfg, report, methods)

@@ -28,6 +28,12 @@ class Engine:
         native layers); on exit they are as before."""
         return nullcontext()
 
+    def paths(self, base: nn.Module, drafters: Sequence[nn.Module] = ()) -> dict[str, str]:
+        """What runs each kind of forward under this engine, {forward kind: path}, as a report's header names it (the
+        CPU engine's depend on what it measured on this machine, so they are read after a decode has measured them)."""
+        return {"layers": "each layer's own HF forward", "products": "PyTorch's F.linear",
+                "verify argmax": "the float32 logits' argmax"}
+
     def key(self, greedy: bool) -> tuple:
         """What distinguishes this engine's verify cost from another's (the verify-cost curve is cached per key)."""
         return (self.name, greedy)

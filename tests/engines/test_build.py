@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specdec.engines import EngineConfig, build
+from specdec.engines.cpu import native
 from specdec.engines.cpu.engine import CpuEngine
 from specdec.engines.cuda.engine import CudaEngine
 from specdec.engines.eager.engine import EagerEngine
@@ -77,3 +78,24 @@ def test_whole_chains_off_never_calls_a_native_chain(monkeypatch):
         assert (chain, heads) == (("drafted", "drafted") if whole else (None, None))
         assert asked == (["chain", "heads"] if whole else [])
         assert engine.feature_entries(drafter, None, None, None, None, "store", -1, lambda: None) is winner
+
+
+def test_paths_name_what_each_forward_runs():
+    """The report header's engine paths: the reference engine's HF forwards, the eager engine's lean layers, and the
+    CPU engine's per row count (native layers and kernels where cpu_kernels=native takes them everywhere), with a
+    drafter's own entries; whole_chains=false says its chain runs depth by depth."""
+    from specdec.base import tiny_base
+    from specdec.drafters.hydra import Hydra
+
+    base = tiny_base(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=2)
+    drafter = Hydra(base, num_heads=2).eval()
+    assert REFERENCE.paths(base)["layers"] == "each layer's own HF forward"
+    assert "lean layers" in build(EngineConfig(name="eager"), "cpu").paths(base)["layers"]
+    paths = build(EngineConfig(cpu_kernels="native"), "cpu").paths(base, [drafter])
+    assert {"base layers", "base products", "lm_head", "verify argmax", "hydra products", "hydra chain"} <= set(paths)
+    if native.available():
+        assert paths["base layers"].startswith("1-16 rows: native layer.c") and paths["hydra chain"].startswith("one native")
+    off = build(EngineConfig(cpu_kernels="native", whole_chains=False), "cpu").paths(base, [drafter])
+    assert off["hydra chain"] == "depth by depth"
+    stock = build(EngineConfig(cpu_kernels="stock"), "cpu").paths(base, [drafter])
+    assert not any("native" in path for path in stock.values())

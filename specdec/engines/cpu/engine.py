@@ -13,11 +13,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from specdec.drafters.drafter import Drafter
 from specdec.engines.config import EngineConfig
 from specdec.engines.cpu import native_chain, native_layer
 from specdec.engines.cpu.argmax import shortlist
-from specdec.engines.cpu.kernels import KernelTable, forced_table, measured_kernels
+from specdec.engines.cpu.kernels import KernelTable, default_table, forced_table, kernel_names, measured_kernels
 from specdec.engines.eager.engine import EagerEngine
+from specdec.engines.eager.lean import decode_linears, lean_layers
 from specdec.engines.measure import Race
 
 
@@ -43,6 +45,32 @@ class CpuEngine(EagerEngine):
         quant = c.draft_precision if c.draft_precision in ("q8", "q4", "q4a8") else ""  # ... to these blocks too
         return measured_kernels(base, *drafters, table=self.table, lean=c.lean, bf16=rounded,
                                 native_layers=c.native_layers, compact=c.compact_weights, quant=quant)
+
+    def paths(self, base, drafters=()):
+        """Per forward kind, the path each row count takes on this machine (1 row: a plain step; γ + 1: a chain's
+        verify), read inside `installed` after what it measures: the base's layers and a product of theirs, the
+        lm_head, the verify's argmax, and each drafter's layers, its widest product and its chain."""
+        out = {}
+        with self.installed(base, drafters) as table:
+            table = table or self.table or default_table()
+            head = shortlist(base.lm_head, forced=self.cfg.cpu_kernels == "native") if self.cfg.greedy_shortlist else None
+            for name, module in [("base", base)] + [(type(d).__name__.lower(), d) for d in drafters]:
+                fasts = lean_layers(module) if self.cfg.lean else []
+                if fasts:
+                    out[f"{name} layers"] = _layers(fasts[0])
+                linears = [m for m in decode_linears(module) if kernel_names(m, table)]
+                if module is base:
+                    linears = [m for m in linears if m is not base.lm_head][:1]
+                    out["lm_head"] = _ranges(kernel_names(base.lm_head, table)) or "F.linear"
+                elif linears:
+                    linears = [max(linears, key=lambda m: m.weight.numel())]
+                if linears:
+                    out[f"{name} products"] = _ranges(kernel_names(linears[0], table))
+                if module is not base and type(module).greedy_chain is not Drafter.greedy_chain:  # a whole chain to run
+                    out[f"{name} chain"] = "one native call (T = 0, one row)" if self.cfg.whole_chains else "depth by depth"
+            wins = [head is not None and head.wins(n) for n in range(1, 17)]
+            out["verify argmax"] = _ranges(["bf16 shortlist" if w else "float32 logits" for w in wins])
+        return out
 
     def run_layer(self, fast, hidden, rope, mask, cache):
         """The layer as one native call where one is attached for this many rows (a batch of one), else lean."""
@@ -74,3 +102,21 @@ class CpuEngine(EagerEngine):
         if not self.cfg.whole_chains:
             return None
         return native_chain.head_chain(drafter, heads, embed, vocab, h, root, top)
+
+
+def _ranges(names: list[str]) -> str:
+    """Per row count 1, 2, ... -> "1: a; 2-4: b; 5-16: c" (row counts past 16 go with 16's)."""
+    names, spans = names[:16], []
+    for rows, name in enumerate(names, 1):
+        if spans and spans[-1][2] == name:
+            spans[-1][1] = rows
+        else:
+            spans.append([rows, rows, name])
+    return "; ".join(f"{a}{'' if a == b else f'-{b}'} rows: {n}" for a, b, n in spans)
+
+
+def _layers(fast) -> str:
+    """How one lean layer runs per row count: its native form where one is attached, else the lean PyTorch ops."""
+    rows = native_layer.rows_of(fast)
+    return _ranges([f"native layer.c ({rows[n].form})" if n < len(rows) and rows[n] is not None else "lean ops"
+                    for n in range(1, 17)])

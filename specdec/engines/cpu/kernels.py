@@ -609,6 +609,17 @@ def measured_kernels(*modules: nn.Module, table: KernelTable | None = None, lean
         native_layer.detach(attached)
 
 
+def kernel_names(lin: nn.Linear, table: KernelTable) -> list[str]:
+    """Within `measured_kernels`: the kernel lin's product runs at each row count 1, 2, ... (its plan's, "linear" for
+    PyTorch's F.linear; [] for a linear left unpatched)."""
+    plan = getattr(lin.__dict__.get("forward"), "plan", None)
+    if plan is None:
+        return []
+    by_run = {c.run: n for group in (table.candidates, table.bf16, table.quant, table.compact)
+              for n, c in group.items()}
+    return [by_run.get(chosen[0], "?") if chosen is not None else "linear" for chosen in plan[1:]]
+
+
 def _forward(lin: nn.Linear, plan: list[tuple[Kernel, torch.Tensor] | None]) -> Callable[[torch.Tensor], torch.Tensor]:
     """lin's forward through the kernel and operand its plan holds for each row count."""
     return measure.patched_forward(lin, plan, lambda chosen, x: chosen[0](x, chosen[1]))

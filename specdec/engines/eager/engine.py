@@ -22,6 +22,10 @@ class EagerEngine(Engine):
     def key(self, greedy: bool) -> tuple:
         return (self.name, self.cfg.lean, greedy)
 
+    def paths(self, base, drafters=()):
+        layers = "the lean layers (eager/lean.py) where a layer is Llama-shaped" if self.cfg.lean else None
+        return super().paths(base, drafters) | ({"layers": layers} if layers else {})
+
     def fast_layer(self, layer: nn.Module) -> LeanLayer | None:
         if not self.cfg.lean or torch.is_grad_enabled():  # (the lean path is for decoding)
             return None
