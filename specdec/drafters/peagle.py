@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specdec.base import Base, Features, cache_arg
+from specdec.base import Base, Features
 from specdec.drafters.dflash import default_mask_token
 from specdec.drafters.drafter import DraftContext, TrainOutput, newest, unroll_mask
 from specdec.drafters.eagle3 import POSITION_OFFSET, Eagle3, default_aux_layers
@@ -125,16 +125,6 @@ class PEagle(Eagle3):
         emb = self.base.embed_tokens(torch.tensor([[self.mask_token_id]], device=self.mask_hidden.device))
         return self.step_input(self.fc(self.mask_hidden), emb)
 
-    def _stack(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """The layers over x [B, n, 2H] at rotary positions pos [n], additive mask [n, W], appending to cache
-        -> [B, n, H] before the final norm."""
-        rope = self.base.rotary_emb(x[..., : self.fc.out_features], pos[None])
-        for layer in self.layers:
-            out = layer(x, attention_mask=mask[None, None], position_ids=pos[None], position_embeddings=rope,
-                        use_cache=True, **cache_arg(layer, cache))
-            x = out[0] if isinstance(out, tuple) else out
-        return x
-
     # -- training ----------------------------------------------------------------------------------------------
     def forward_train(self, feats: Features, input_ids: torch.Tensor) -> TrainOutput:
         g = self.real_feature(feats.hidden)  # [B, T, H]
@@ -169,13 +159,13 @@ class PEagle(Eagle3):
         nxt = torch.cat([emb[:, 1:], emb.new_zeros(b, 1, hs)], dim=1)  # emb(x_{t+1})
         x0 = self.step_input(torch.cat([g.new_zeros(b, 1, hs), g], 1), torch.cat([emb[:, :1], nxt], 1))
         cache = DynamicCache()  # the real entries' keys, then the masked entries'
-        out = self._stack(x0, torch.arange(-1, t, device=dev), unroll_mask(t, 0, x0.dtype, dev), cache)
+        out = self._run(x0, torch.arange(-1, t, device=dev), unroll_mask(t, 0, x0.dtype, dev), cache)
         first = self.readout(out[:, 1:])[1]  # [B, T, V_d]
         if len(anchors) == 0:
             return first, first.new_zeros(b, 0, first.shape[-1])
         x = self.mask_entry().expand(b, len(anchors), -1)  # [B, S, 2H]
         pos = (anchors + depths).to(dev)
-        out = self._stack(x, pos, masked_mask(t, anchors, depths, x.dtype, dev), cache)
+        out = self._run(x, pos, masked_mask(t, anchors, depths, x.dtype, dev), cache)
         return first, self.readout(out)[1]
 
     # -- sampling ----------------------------------------------------------------------------------------------
