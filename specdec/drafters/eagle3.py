@@ -29,7 +29,7 @@ from torch import nn
 
 from specdec.base import Base, Features, cache_arg
 from specdec.drafters.drafter import DraftVocab, TrainOutput, copy_lm_head
-from specdec.drafters.feature import POSITION_OFFSET, FeatureDrafter  # noqa: F401 (the layout's offset, re-exported)
+from specdec.drafters.feature import FeatureDrafter
 
 STORE = "eagle3"  # the drafter-private KV store in the sampler's DraftContext
 

@@ -43,7 +43,8 @@ from transformers import DynamicCache
 from specdec.base import Base, Features
 from specdec.drafters.dflash import default_mask_token
 from specdec.drafters.drafter import DraftContext, TrainOutput, newest, unroll_mask
-from specdec.drafters.eagle3 import POSITION_OFFSET, Eagle3, default_aux_layers
+from specdec.drafters.eagle3 import Eagle3, default_aux_layers
+from specdec.drafters.feature import POSITION_OFFSET
 
 STORE = "peagle"  # the drafter-private KV store in the sampler's DraftContext
 
