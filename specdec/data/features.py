@@ -80,7 +80,7 @@ def cache_features(
         "shard_blocks": shard_blocks,
         "block_size": int(splits["train"].shape[1]),
         "blocks": {name: int(ids.shape[0]) for name, ids in splits.items()},
-        "tokens_sha256": _tokens_hash(splits),
+        "tokens_sha256": tokens_hash(splits),
         "answer_mask": answer_mask,
         "base_name": base.name,
         "fingerprint": base.fingerprint(),
@@ -155,7 +155,7 @@ def _save_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _tokens_hash(splits: dict[str, torch.Tensor]) -> str:
+def tokens_hash(splits: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, ids in splits.items():
         h.update(name.encode())

@@ -70,7 +70,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.base import LAST, SMOLLM2, Base, load_base
 from specdec.checkpoint import write_json
-from specdec.data.features import STORE_DTYPES, _tokens_hash, read_meta
+from specdec.data.features import STORE_DTYPES, tokens_hash, read_meta
 
 HS_DIR = "hidden_states"
 EXPORT_META = "specdec_export.json"  # ours, beside their files (their trainer reads none it does not know)
@@ -135,7 +135,7 @@ def import_run(run_dir: str | Path, out_dir: str | Path, base: Base | str = SMOL
             "shard_blocks": shard_blocks,
             "block_size": block_size,
             "blocks": {name: len(s) for name, s in splits.items()},
-            "tokens_sha256": _tokens_hash({name: torch.from_numpy(s) for name, s in splits.items()}),
+            "tokens_sha256": tokens_hash({name: torch.from_numpy(s) for name, s in splits.items()}),
             "answer_mask": True,
             "base_name": base.name,
             "fingerprint": base.fingerprint(),
