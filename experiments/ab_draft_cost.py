@@ -6,7 +6,8 @@ measured as a difference on one machine state.
         [--families medusa hydra prophet eagle3 dflash] [--out experiments/results/ab/draft_cost_<cpu>.md]
 
 Each turn runs one process per revision (REV from a temporary `git worktree`, then this tree), alternating which goes
-first. A process builds untrained drafters on SmolLM2 (the cost does not depend on the weights; draft vocab 8,192),
+first. Each revision keeps its measured kernel choices in a store of its own (SPECDEC_CACHE): the two libraries'
+sources differ, and one store would be measured again at every turn. A process builds untrained drafters on SmolLM2 (the cost does not depend on the weights; draft vocab 8,192),
 decodes one HumanEval prompt at T = 0 with a chain of γ and the default engine, and reads c = (draft time per round /
 γ) / T_1, the median over three decodes after a warm-up, T_1 one base forward over one token in the same process.
 The report gives each revision's mean ± sd over the turns."""
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -95,9 +97,11 @@ def main() -> None:
             for turn in range(a.turns):
                 order = [(rev, other), ("this tree", ROOT)]
                 for name, tree in (order if turn % 2 == 0 else order[::-1]):
+                    env = dict(os.environ, SPECDEC_CACHE=str(Path(tmp) / f"cache_{name.replace(' ', '_')}"))
                     out = subprocess.run([sys.executable, __file__, "--rev", a.rev, "--worker", str(tree),
                                           "--families", *a.families, "--gammas", *map(str, a.gammas),
-                                          "--new", str(a.new)], cwd=tree, check=True, capture_output=True, text=True)
+                                          "--new", str(a.new)], cwd=tree, check=True, capture_output=True, text=True,
+                                         env=env)
                     runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     print(f"turn {turn} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name][-1]["c"].items()),
                           flush=True)
