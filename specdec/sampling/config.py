@@ -107,7 +107,7 @@ class GenerationResult:
     step_verify_s: list[float] = field(default_factory=list)  # per round: the base verify forward
     step_overhead_s: list[float] = field(default_factory=list)  # per round: acceptance, rollback, bookkeeping
     lookup_rounds: int = 0  # rounds proposed by n-gram lookup instead of the drafter
-    # per round: drafter passes (`expand` calls, one per depth but with stage_lookup); 0 for a lookup round, a plain step
+    # per round: drafter passes (`expand` calls: one a depth but with stage_lookup); 0 for a lookup round, a plain step
     draft_passes: list[int] = field(default_factory=list)
 
     @property

@@ -265,10 +265,10 @@ def _greedy_chain(drafter: Drafter, state: Any, ctx: SamplingContext, root: torc
     Staged drafting (Spector & Ré 2023): with `stage`, a pass expands the chain's newest node together with the k
     tokens the stage proposes after it, as a chain of k + 1 nodes in one `expand`; a proposed token is kept while every
     row's equals the drafter's own argmax at the node before it, and the drafter's own token follows the kept ones. A
-    drafter whose `expand` reads only its nodes' path tokens (Drafter.drafts_from_tokens) then drafts exactly the
-    chain it drafts alone, in one pass per run of kept tokens instead of one per token; slots a pass wrote for tokens
-    that were not kept lie past its newest node, where no query sees them until a later pass has written them again.
-    Without a proposal a pass is the plain one: one node, its top-1."""
+    drafter whose `expand` reads only its nodes' path tokens (Drafter.drafts_from_tokens) then drafts the chain it
+    drafts alone (exactly where its forward rounds k + 1 rows as it rounds one), in one pass per run of kept tokens
+    instead of one per token; slots a pass wrote for tokens that were not kept lie past its newest node, where no
+    query sees them until a later pass has written them again. Without a proposal a pass is the plain one."""
     gamma, top = len(tree.levels), tree.fan
     drafted = None if stage is not None else drafter.greedy_chain(state, ctx, root, gamma, top)  # [B, γ − 1 + top]
     if drafted is not None:
