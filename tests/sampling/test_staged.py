@@ -15,7 +15,7 @@ from specdec.sampling import decode
 from specdec.sampling.decode import SamplerConfig, generate
 from specdec.sampling.trees import draft_static
 
-from conftest import auto_engine, fitted
+from conftest import auto_engine, experiment_script, fitted
 from sampling_stubs import Oracle
 
 # repetition in both prompts, so lookup over the context proposes; ragged on purpose
@@ -89,3 +89,18 @@ def test_refused_in_one_line(base):
         with pytest.raises(ValueError, match="stage_lookup") as err:
             replace(STAGED, **bad)
         assert "\n" not in str(err.value)
+
+
+def test_the_draft_model_tables_staged_comparison_on_the_tiny_base(tmp_path):
+    # experiments/draft_model.py's staged row: the three settings interleaved, c per pass, the row and its note
+    table = experiment_script("draft_model")
+    result = table.staged(tmp_path, ["base=tiny", "prompts.limit=2", "sampler.max_new_tokens=8",
+                                     "engine.cpu_kernels=native"], drafter="copy", passes=2)
+    assert list(result["settings"]) == list(table.SETTINGS)
+    assert all(s["identical"] and len(s["tok_s"]) == 2 for s in result["settings"].values())
+    alone, staged = (result["settings"][name] for name in table.SETTINGS[1:])
+    assert len(alone["c"]) == len(staged["c"]) == 2 and alone["passes_per_round"] == 4
+    assert (tmp_path / "staged" / "L2.json").exists()
+    row = table.staged_row(result)
+    assert row["layers"].startswith("2, staged") and "(alone " in row["c"]
+    assert "\n" not in table.staged_note(result)
