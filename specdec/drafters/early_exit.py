@@ -67,6 +67,7 @@ class EarlyExit(Drafter):
     sampler drafts with the first exit layer. Every entry predicts token t+1 from the layer-L state at t."""
 
     graph_draft = True
+    drafts_from_tokens = True  # the base's first layers and its own blocks over the path's tokens: stages may check
 
     def __init__(
         self,

@@ -92,7 +92,7 @@ class Decode:
         self.max_len = check_inputs(base, prompt_ids, cfg, drafter)
         if cfg.stage_lookup and drafter is not None and not drafter.drafts_from_tokens:
             raise ValueError(f"sampler.stage_lookup: staged drafting needs a drafter whose expand reads only its "
-                             f"nodes' path tokens (Drafter.drafts_from_tokens: a draft model, layer skip); "
+                             f"nodes' path tokens (Drafter.drafts_from_tokens: a draft model, layer skip, early exit); "
                              f"{type(drafter).__name__}'s does not")
         eos = base.config.eos_token_id if cfg.eos_token_id is None else cfg.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

@@ -10,6 +10,7 @@ import torch
 
 from specdec.base import tiny_base
 from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.early_exit import EarlyExit
 from specdec.drafters.layer_skip import LayerSkip
 from specdec.sampling import decode
 from specdec.sampling.decode import SamplerConfig, generate
@@ -36,11 +37,12 @@ def plain(base):
 
 @pytest.fixture(scope="module")
 def drafters(base, plain):
-    """A two-layer draft model fitted to the base's answers (its drafts hit more often, and still miss), and the base
-    with its middle layer skipped."""
+    """A two-layer draft model and an early exit at layer 1 fitted to the base's answers (their drafts hit more often,
+    and still miss), and the base with its middle layer skipped."""
     text = [t for b, p in enumerate(PROMPTS) for t in p + plain.tokens[b, : plain.num_generated[b]].tolist()]
     return {"draft_model": fitted(DraftModel(base, num_layers=2), base, text),
-            "layer_skip": LayerSkip(base, skip_layers=[1])}
+            "layer_skip": LayerSkip(base, skip_layers=[1]),
+            "early_exit": fitted(EarlyExit(base, exit_layers=[1], num_extra_layers=1), base, text)}
 
 
 def chains_of(monkeypatch, base, drafter, cfg, engine):
@@ -56,7 +58,7 @@ def chains_of(monkeypatch, base, drafter, cfg, engine):
     return generate(base, PROMPTS, drafter, cfg, engine=engine), chains
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "layer_skip"])
+@pytest.mark.parametrize("kind", ["draft_model", "layer_skip", "early_exit"])
 def test_staged_chains_are_the_drafters_own_in_fewer_passes(monkeypatch, base, plain, drafters, kind):
     # the reference engine: one product per row count, so a pass over k + 1 nodes gives each node the logits it gets
     # alone (the measured kernels may sum another way for another row count and flip a near-tie)
@@ -73,7 +75,7 @@ def test_staged_chains_are_the_drafters_own_in_fewer_passes(monkeypatch, base, p
     assert all(1 <= p <= CFG.gamma for p in staged.draft_passes)
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "layer_skip"])
+@pytest.mark.parametrize("kind", ["draft_model", "layer_skip", "early_exit"])
 def test_staged_greedy_output_is_plain_decodings_on_the_fast_engine(base, plain, drafters, kind):
     out = generate(base, PROMPTS, drafters[kind], replace(STAGED, lookup_tokens=4), engine=auto_engine())
     assert torch.equal(out.tokens, plain.tokens)
