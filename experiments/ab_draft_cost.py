@@ -7,7 +7,8 @@ measured as a difference on one machine state.
 
 Each turn runs one process per revision (REV from a temporary `git worktree`, then this tree), alternating which goes
 first. Each revision keeps its measured kernel choices in a store of its own (SPECDEC_CACHE): the two libraries'
-sources differ, and one store would be measured again at every turn. A process builds untrained drafters on SmolLM2 (the cost does not depend on the weights; draft vocab 8,192),
+sources differ, and one store would be measured again at every turn. A process builds untrained drafters on SmolLM2
+(the cost does not depend on the weights; draft vocab 8,192),
 decodes one HumanEval prompt at T = 0 with a chain of γ and the default engine, and reads c = (draft time per round /
 γ) / T_1, the median over three decodes after a warm-up, T_1 one base forward over one token in the same process.
 The report gives each revision's mean ± sd over the turns."""
@@ -120,7 +121,8 @@ def main() -> None:
              f"{' '.join(a.families)}`",
              f"- **Machine**: {cpu}", f"- **Date**: {__import__('datetime').date.today()}",
              f"- T_1: {statistics.mean(r['t1_ms'] for r in runs[rev]):.2f} ms ({rev}), "
-             f"{statistics.mean(r['t1_ms'] for r in runs['this tree']):.2f} ms ({head}); mean ± sd over {a.turns} turns",
+             f"{statistics.mean(r['t1_ms'] for r in runs['this tree']):.2f} ms ({head}); "
+             f"mean ± sd over {a.turns} turns",
              "", f"| family / γ | c at {rev} | c at {head} |", "|---|---|---|"]
     lines += [f"| {k} | {stat(rev, k)} | {stat('this tree', k)} |" for k in keys]
     text = "\n".join(lines) + "\n"

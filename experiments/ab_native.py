@@ -1,6 +1,6 @@
-"""A/B the native library (specdec/engines/cpu/smallm.c, layer.c and chain.c) against its sources at another git revision, in one
-process, the library built now (A) and from REV (B), interleaved per row count, each first in every other round (one that
-always went first read slower). A kernel change is measured as a ratio on one machine state.
+"""A/B the native library (specdec/engines/cpu/smallm.c, layer.c and chain.c) against its sources at another git
+revision, in one process, the library built now (A) and from REV (B), interleaved per row count, each first in every
+other round (the one that goes first reads slower). A kernel change is measured as a ratio on one machine state.
 
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1            # the packed products
     OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_native.py --rev HEAD~1 --forward  # the sampler's verify forward

@@ -12,12 +12,13 @@ a reduced draft vocabulary, trained by training-time test (TTT) with no feature 
   n_2(a^{mid}_t); n_3(a^{high}_t)]); `norm_output` makes norm(out), the logits' input, the next step's g in place of
   `out`, so that the magnitude a step reads does not drift with depth.
 - TTT: k unrolled steps (FeatureDrafter.unroll); step j at t reads its own step j-1 output at t with the token
-  x_{t+j+1} (the data's, teacher forced), attends to the real entries ≤ t and to its chain's earlier steps (one key per
-  step: the diagonal), and is scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's
+  x_{t+j+1} (the data's, teacher forced), attends to the real entries ≤ t and to its chain's earlier steps (one key
+  per step: the diagonal), and is scored against the base's distribution of x_{t+j+2}, weighted 0.8^j (the trainer's
   head_decay).
 
-Layout, sink entry and sampling: the prophet's (specdec/drafters/feature.py). The token embeddings are the base's, frozen; the draft lm_head is the drafter's own, starting from the base's rows, and the
-layer starts as a copy of the base layer whose input is the highest fused one (`_init_from_base`).
+Layout, sink entry and sampling: the prophet's (specdec/drafters/feature.py). The token embeddings are the base's,
+frozen; the draft lm_head is the drafter's own, starting from the base's rows, and the layer starts as a copy of the
+base layer whose input is the highest fused one (`_init_from_base`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class FeatureDrafter(Drafter):
         return {"f": f, "root": None, "feats": NodeTable()}
 
     def entries(self, ctx: DraftContext, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The real entries (features [B, n, H], tokens [B, n]) through the layers in `observe`'s layout -> [B, n, H]."""
+        """The real entries (features [B, n, H], tokens [B, n]) through the layers, observe's layout -> [B, n, H]."""
         return ctx.run_layers(self.layers, self.step_input(features, self.base.embed_tokens(tokens)), self.store,
                               POSITION_OFFSET)
 

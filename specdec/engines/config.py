@@ -39,9 +39,9 @@ class EngineConfig:
     # measures faster: fp32 = never; bf16; q8 = bf16 or llama.cpp's Q8_0 blocks; q4 = those or Q4_1 blocks; q4a8 = as
     # q4, with the input rounded to int8 per group of 32 too. Changes what is drafted, never what is accepted
     draft_precision: str = "q8"
-    # CPU, T = 0: a drafter's whole greedy chain (drafter.greedy_chain, adaptive_chain: the prophet's and Hydra's) as one
-    # native call wherever it can run, and a feature drafter's real entries as one where that measures faster (always
-    # under cpu_kernels=native); False: depth by depth through `expand`, the entries through run_layers
+    # CPU, T = 0: a drafter's whole greedy chain (drafter.greedy_chain, adaptive_chain: the prophet's and Hydra's) as
+    # one native call wherever it can run, and a feature drafter's real entries as one where that measures faster
+    # (always under cpu_kernels=native); False: depth by depth through `expand`, the entries through run_layers
     whole_chains: bool = True
     # CUDA: forwards of up to 64 tokens replayed from CUDA graphs recorded on first use (cuda/graphs.py)
     cuda_graphs: bool = True

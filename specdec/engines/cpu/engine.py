@@ -53,7 +53,7 @@ class CpuEngine(EagerEngine):
         out = {}
         with self.installed(base, drafters) as table:
             table = table or self.table or default_table()
-            head = shortlist(base.lm_head, forced=self.cfg.cpu_kernels == "native") if self.cfg.greedy_shortlist else None
+            head = self.greedy_head(base.lm_head)
             for name, module in [("base", base)] + [(type(d).__name__.lower(), d) for d in drafters]:
                 fasts = lean_layers(module) if self.cfg.lean else []
                 if fasts:
@@ -67,7 +67,8 @@ class CpuEngine(EagerEngine):
                 if linears:
                     out[f"{name} products"] = _ranges(kernel_names(linears[0], table))
                 if module is not base and type(module).greedy_chain is not Drafter.greedy_chain:  # a whole chain to run
-                    out[f"{name} chain"] = "one native call (T = 0, one row)" if self.cfg.whole_chains else "depth by depth"
+                    whole = self.cfg.whole_chains
+                    out[f"{name} chain"] = "one native call (T = 0, one row)" if whole else "depth by depth"
             wins = [head is not None and head.wins(n) for n in range(1, 17)]
             out["verify argmax"] = _ranges(["bf16 shortlist" if w else "float32 logits" for w in wins])
         return out
