@@ -2,7 +2,7 @@
 change to how chains are drafted (the sampler's draft paths, a drafter's `expand`, the engine's whole chains) is
 measured as a difference on one machine state.
 
-    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_draft_cost.py --rev b67d6a9 [--turns 3] [--gammas 1 3]
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/ab_draft_cost.py --rev HEAD~1 [--turns 3] [--gammas 1 3]
         [--families medusa hydra prophet eagle3 dflash] [--out experiments/results/ab/draft_cost_<cpu>.md]
 
 Each turn runs one process per revision (REV from a temporary `git worktree`, then this tree), alternating which goes
