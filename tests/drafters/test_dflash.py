@@ -130,17 +130,16 @@ def generated_blocks(base, d: DFlash, prompts, gamma: int):
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41]]
 
 
-@pytest.fixture(scope="module")
-def trained(base):
-    """Adam steps on the base's own greedy continuations, so blocks get accepted (partly, ragged)."""
+def fit_to_greedy(base, d, steps: int):
+    """Adam steps on the base's own greedy continuations of PROMPTS (every entry against the base's token at its
+    offset), so drafts get accepted (partly, ragged); d frozen after."""
     torch.manual_seed(0)
-    d = DFlash(base, num_layers=1, block_size=4, aux_layers=AUX, draft_vocab_size=None)
     ref = generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=40, eos_token_id=[]), engine=auto_engine())
     ids = torch.tensor([p[-2:] + t for p, t in zip(PROMPTS, ref.tokens.tolist())])
     feats = base.features(ids, layers=d.feature_layers)
     target = feats.logits.argmax(-1)  # [B, T]: the base's next token at each position
     opt = torch.optim.Adam(d.parameters(), lr=1e-2)
-    for _ in range(80):
+    for _ in range(steps):
         logits = d.forward_train(feats, ids).logits
         loss = sum(torch.nn.functional.cross_entropy(logits[:, : ids.shape[1] - o, j].flatten(0, 1),
                                                      target[:, o:].flatten())
@@ -149,6 +148,13 @@ def trained(base):
         loss.backward()
         opt.step()
     return d.requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def trained(base):
+    """Blocks of 4 fitted to the base's greedy continuations."""
+    torch.manual_seed(0)
+    return fit_to_greedy(base, DFlash(base, num_layers=1, block_size=4, aux_layers=AUX, draft_vocab_size=None), 80)
 
 
 @pytest.mark.parametrize("gamma", [1, 3])

@@ -13,6 +13,7 @@ from specdec.base import Base, Features, tiny_base
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.drafters.peagle import PEagle, cod_entries
 from specdec.sampling.decode import SamplerConfig, generate
+from test_dflash import PROMPTS, fit_to_greedy
 from test_eagle3 import AUX, T, data, randomized  # random weights and T = 8 tokens with the base's features
 from test_sampling_mc import PROMPT, TOKENS, chi_square_pvalue, exact_joint
 
@@ -90,29 +91,14 @@ def test_cod_keeps_nested_chains_and_trains_only_them(base):
 
 
 NEW = 20
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41]]
 
 
 @pytest.fixture(scope="module")
 def trained(base):
-    """Adam steps (COD's thinned gradient) on the base's own greedy continuations, so drafts get accepted (partly,
-    ragged)."""
+    """COD's thinned gradient fitted to the base's greedy continuations."""
     torch.manual_seed(0)
     d = PEagle(base, num_depths=K, num_layers=2, draft_vocab_size=None, aux_layers=AUX)
-    ref = generate(base, PROMPTS, None, SamplerConfig(max_new_tokens=40, eos_token_id=[]), engine=auto_engine())
-    ids = torch.tensor([p[-2:] + t for p, t in zip(PROMPTS, ref.tokens.tolist())])
-    feats = base.features(ids, layers=d.feature_layers)
-    target = feats.logits.argmax(-1)  # [B, T]: the base's next token at each position
-    opt = torch.optim.Adam(d.parameters(), lr=1e-2)
-    for _ in range(60):
-        logits = d.forward_train(feats, ids).logits
-        loss = sum(torch.nn.functional.cross_entropy(logits[:, : ids.shape[1] - o, j].flatten(0, 1),
-                                                     target[:, o:].flatten())
-                   for j, o in enumerate(d.target_offsets))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval().requires_grad_(False)
+    return fit_to_greedy(base, d, 60).eval()
 
 
 @pytest.mark.parametrize("cfg", [dict(gamma=1), dict(gamma=3), dict(tree="static", paths=[[0, 0, 0, 0], [1], [0, 1]])],
