@@ -25,6 +25,16 @@ def verifier_name(base: Base) -> str:
     return SMOLLM2_HUB if base.name == SMOLLM2 else base.name
 
 
+def speculators_config(base: Base, algorithm: str, tokens: int) -> dict:
+    """speculators' `speculators_config` of a drafter: its algorithm, a greedy proposal of `tokens` drafted tokens,
+    and the verifier (the base, as serving engines name it)."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name(base), "architectures": [type(base.model).__name__]}}
+
+
 def write_record(out: Path, base: Base, fmt: str, source: str, family: str | None = None) -> None:
     record = {"format": fmt, "family": family, "source": source, "base_name": base.name,
               "verifier": verifier_name(base), "base": base.fingerprint()}

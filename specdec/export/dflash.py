@@ -43,7 +43,7 @@ import torch
 from specdec.base import LAST, Base
 from specdec.drafters.dflash import DFlash
 from specdec.export.common import (CheckpointError, check_base, read_config, read_tensors, save, take,
-                                   verifier_name, write_record)
+                                   speculators_config, write_record)
 
 WEIGHTS = "model.safetensors"
 QWEN3_LAYER = "Qwen3DecoderLayer"  # the decoder layer every DFlash loader builds, whatever the target
@@ -105,13 +105,7 @@ def write_speculators(d: DFlash, out: Path, source: str) -> None:
         "mask_token_id": d.mask_token_id,
         "sliding_window_non_causal": True,  # (vLLM: false makes every layer causal; see the module docstring)
         "sample_from_anchor": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": d.block_size - 1,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name(base), "architectures": [type(base.model).__name__]},
-        },
+        "speculators_config": speculators_config(base, "dflash", d.block_size - 1),
     }
     head = d.lm_head.weight if d.lm_head is not None else (
         d.draft_vocab.rows(base.lm_head.weight) if d.draft_vocab is not None else base.lm_head.weight)

@@ -24,7 +24,7 @@ import torch
 from specdec.base import Base
 from specdec.drafters.eagle3 import Eagle3, default_aux_layers
 from specdec.export.common import (CheckpointError, check_base, read_config, read_tensors, save, take,
-                                   verifier_name, write_record)
+                                   speculators_config, write_record)
 
 WEIGHTS = "model.safetensors"
 
@@ -59,13 +59,7 @@ def write_speculators(d: Eagle3, out: Path, source: str) -> None:
         "fc_norm": d.fc_norm is not None,
         "norm_output": d.norm_output,
         "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": d.ttt_steps,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name(base), "architectures": [type(base.model).__name__]},
-        },
+        "speculators_config": speculators_config(base, "eagle3", d.ttt_steps),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save(_tensors(d, "layers.0."), out / WEIGHTS)

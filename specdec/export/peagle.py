@@ -28,7 +28,7 @@ from specdec.base import Base
 from specdec.drafters.peagle import PEagle
 from specdec.export import eagle3
 from specdec.export.common import (CheckpointError, check_base, read_config, read_tensors, save, take,
-                                   verifier_name, write_record)
+                                   speculators_config, write_record)
 
 WEIGHTS = "model.safetensors"
 SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3's variants, off here
@@ -54,13 +54,7 @@ def write_speculators(d: PEagle, out: Path, source: str) -> None:
         **{k: False for k in SWITCHES},
         "embed_requires_grad": False,
         "mask_token_id": d.mask_token_id,
-        "speculators_config": {
-            "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": d.num_depths,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name(base), "architectures": [type(base.model).__name__]},
-        },
+        "speculators_config": speculators_config(base, "peagle", d.num_depths),
     }
     tensors = {k: v for k, v in d.state_dict().items() if k != "draft_vocab.tokens"}
     tensors["embed_tokens.weight"] = base.embed_tokens.weight
