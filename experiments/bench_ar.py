@@ -44,11 +44,16 @@ from specdec.engines.eager.lean import decode_linears, lean_layers  # noqa: E402
 from specdec.engines.measure import machine_key  # noqa: E402
 from specdec.peers import llama_cpp  # noqa: E402
 from specdec.sampling.context import SamplingContext  # noqa: E402
-from specdec.sampling.cost import forward_costs, verify_curve  # noqa: E402
+from specdec.sampling.cost import forward_costs  # noqa: E402
 from specdec.sampling.cost import wall_clock as sync
 from specdec.sampling.decode import SamplerConfig, generate  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise")
+
+
+def verify_curve(costs: dict[int, float]) -> dict[int, float]:
+    """v(n) = T_n / T_1."""
+    return {n: t / costs[1] for n, t in costs.items()}
 
 
 def run_ours(base, prompt: list[int], max_new: int, **settings) -> tuple[int, float, float]:

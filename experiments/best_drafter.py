@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_report_files, eval_reports, main, method_row, spread
+from tables import SMOKE_FROM_RAW_CODE, Table, _run, eval_report_files, eval_reports, main, method_row, spread
 
 NAME = "best_drafter"
 AR, LOOKUP, PEERS = "ar (ours)", "lookup (ours)", ("llama_cpp", "llama_cpp_lookup")

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.checkpoint import write_json, write_text
-from specdec.tables import (ROOT, SMOKE_FROM_RAW_CODE, Table, _cell, _run, eval_reports, main, method_row,
+from tables import (ROOT, SMOKE_FROM_RAW_CODE, Table, _cell, _run, eval_reports, main, method_row,
                             tau_and_speedup, train_runs, write)
 
 STAGED_LAYERS = 2  # the depth the staged comparison drafts with: the shallowest, the fastest in every engine

@@ -11,7 +11,7 @@ each trained to its plateau (configs/experiment/recipe/), take their place in th
     python experiments/drafters.py --render
 Each row's training columns come from the run beside its drafter dir, whichever trained it."""
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, drafter_runs, eval_reports, main
+from tables import SMOKE_FROM_RAW_CODE, Table, drafter_runs, eval_reports, main
 
 FAMILIES = ("medusa", "hydra", "earlyexit", "prophet")  # the plot's order (method names as evaluate.py gives them)
 SETS = ("humaneval", "question")

@@ -12,7 +12,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from specdec.tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _measured, _run, eval_reports,
+from tables import (ROOT, SMOKE_EVAL, SMOKE_FROM_RAW_CODE, SMOKE_TRAIN, Table, _measured, _run, eval_reports,
                             method_row, train_runs, val_curve, write)
 
 NAME = "eagle3_vs_prophet"

@@ -6,7 +6,7 @@ maximises the speedup named.
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
+from tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
 
 
 def build(root):

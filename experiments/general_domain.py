@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_report_files, eval_reports, main, method_row, spread, train_runs
+from tables import SMOKE_FROM_RAW_CODE, Table, eval_report_files, eval_reports, main, method_row, spread, train_runs
 
 NAME = "general_domain"
 # training run (train.yaml's train_on) -> its method name: evaluate names the drafters hydra, hydra#1 in the order

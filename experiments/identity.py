@@ -31,7 +31,8 @@ from specdec.base import Base, load_base, smollm2_gguf_path  # noqa: E402
 from specdec.checkpoint import load_drafter, write_json, write_text  # noqa: E402
 from specdec.data.prompts import humaneval, question_jsonl, render_chat  # noqa: E402
 from specdec.engines import build  # noqa: E402
-from specdec.engines.measure import cpu_label, cpu_model  # noqa: E402
+from specdec.engines.measure import cpu_model  # noqa: E402
+from tables import cpu_label  # noqa: E402
 from specdec.evaluation.runs import cut_at_eos  # noqa: E402  (EOS counted as a generated token, as everywhere)
 from specdec.sampling.config import SamplerConfig  # noqa: E402
 from specdec.sampling.decode import generate  # noqa: E402

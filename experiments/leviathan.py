@@ -14,7 +14,7 @@ import math
 
 from specdec.sampling.cost import chain_tau, predicted_speedup
 from specdec.sampling.metrics import token_acceptance
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, tau_and_speedup
+from tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, tau_and_speedup
 
 
 def build(root):

@@ -4,7 +4,7 @@ dynamic tree of depth k, τ and speedup. One 5-head drafter is trained; its firs
 
     python experiments/medusa_heads.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
+from tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, tau_and_speedup, train_runs
 
 
 def build(root):

@@ -5,7 +5,7 @@ then draft chains against one AR run.
 
     python experiments/prophet_vs_early_exit.py [--smoke] [train:KEY=VALUE ...] [eval:KEY=VALUE ...]"""
 
-from specdec.tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, train_runs, val_curve
+from tables import SMOKE_FROM_RAW_CODE, Table, eval_reports, main, method_row, train_runs, val_curve
 
 RUNS = {"earlyexit": "early_exit", "prophet": "prophet"}  # evaluate's method name -> training run
 

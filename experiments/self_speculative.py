@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from specdec.checkpoint import read_meta
-from specdec.tables import Table, eval_reports, main, method_row, train_runs
+from tables import Table, eval_reports, main, method_row, train_runs
 
 
 def build(root):

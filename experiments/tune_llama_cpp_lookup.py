@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from specdec.base import load_base, smollm2_gguf_path  # noqa: E402
 from specdec.data.prompts import humaneval, render_chat  # noqa: E402
-from specdec.engines.measure import cpu_label, cpu_model  # noqa: E402
+from specdec.engines.measure import cpu_model  # noqa: E402
+from tables import cpu_label  # noqa: E402
 from specdec.peers.llama_cpp import LlamaServer  # noqa: E402
 
 SIMPLE = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n"]

@@ -40,7 +40,10 @@ def tiny():
 
 
 def experiment_script(name: str):
-    """experiments/<name>.py imported as a module (the scripts are not a package)."""
+    """experiments/<name>.py imported as a module (the scripts are not a package; they import their shared
+    experiments/tables.py by name, as they do when run)."""
+    if str(ROOT / "experiments") not in sys.path:
+        sys.path.insert(0, str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, experiment_script
 
 # table -> rows its smoke variant must produce
 TABLES = {"drafters": 20, "leviathan": 6, "medusa_heads": 10, "exit_layer": 5, "prophet_vs_early_exit": 2,
@@ -105,7 +105,7 @@ def test_table_with_a_failed_job_exits_nonzero(smoke_runs):
 
 
 def test_a_table_read_back_later_keeps_the_day_and_machine_it_was_measured_on(tmp_path):
-    from specdec.tables import _measured
+    _measured = experiment_script("tables")._measured
 
     header = {"device": "cpu (a test CPU)", "threads": 2}
     for job, date in (("a", "2026-01-02"), ("b", None)):  # b: a report from before evaluate.py recorded its date

@@ -48,18 +48,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_label() -> str:
-    """A short folder name for this CPU, as committed results are filed (zen4, zen5, xeon): AMD family 25 model 17
-    is Zen 4 and family 26 Zen 5; any other CPU its vendor's word."""
-    fields = cpu_fields()
-    family, model = fields.get("cpu family"), fields.get("model")
-    if "AMD" in fields.get("model name", ""):
-        return {"25": "zen4" if model in ("17", "97") else "zen3", "26": "zen5"}.get(family, "amd")
-    if "Intel" in fields.get("model name", ""):
-        return "xeon" if "Xeon" in fields["model name"] else "intel"
-    return platform.machine() or "cpu"
-
-
 def machine_key() -> str:
     """What a CPU kernel choice depends on: the CPU model, the thread count, the torch build."""
     return f"{cpu_model()} | threads {torch.get_num_threads()} | torch {torch.__version__}"

@@ -86,11 +86,6 @@ def verify_costs(base: Base, n_max: int, engine: Engine = REFERENCE, greedy: boo
     return v
 
 
-def verify_curve(costs: dict[int, float]) -> dict[int, float]:
-    """v(n) = T_n / T_1."""
-    return {n: t / costs[1] for n, t in costs.items()}
-
-
 def chain_tau(alpha: float, gamma: int) -> float:
     """Leviathan et al.'s τ for a chain of γ with per-token acceptance α: (1 − α^{γ+1}) / (1 − α)."""
     return (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0

@@ -252,7 +252,7 @@ def test_train_py_from_cache(corpus, tiny, tmp_path, monkeypatch, drafter):
     monkeypatch.setattr(Base, "features", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     metrics = train(cfg)
     assert calls == []
-    assert metrics["val/expected_tau"] >= 1.0 and np.isfinite(metrics["train/loss"])
+    assert all(np.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/expected_tau"))  # validation ran
     assert (Path(cfg.paths.output_dir) / "drafter" / "drafter.safetensors").exists()
 
 
@@ -274,7 +274,7 @@ def test_every_recipe_trains_from_a_cache(corpus, tmp_path, recipe):
                          "trainer.max_time=null", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
                          "callbacks.progress_bar.refresh_rate=0", *own], tmp_path)
     metrics = train(cfg)
-    assert metrics["val/expected_tau"] >= 1.0 and np.isfinite(metrics["train/loss"])
+    assert all(np.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/expected_tau"))  # validation ran
     assert (Path(cfg.paths.output_dir) / "drafter" / "drafter.safetensors").exists()
 
 

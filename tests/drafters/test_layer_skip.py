@@ -192,8 +192,9 @@ def test_train_py_runs_the_search_and_writes_a_checkpoint(corpus, tmp_path):
                          "drafter.search.prompt_len=16", "drafter.search.cost_reps=1"], tmp_path)
     metrics = train(cfg)
     run = tmp_path / "run"
-    assert metrics["val/expected_tau"] >= 1.0 and 0 <= metrics["val/alpha"] <= 1
     meta = read_meta(run / "drafter")
+    # the search's pick is what the checkpoint records (a search that left its measurement behind would differ)
+    assert meta["metrics"]["val/expected_tau"] == pytest.approx(metrics["val/expected_tau"])
     assert meta["target"].endswith("LayerSkip") and meta["metrics"]["val/predicted_speedup"] > 0
     drafter = load_drafter(run / "drafter", tiny_base())
     assert drafter.skip_layers == meta["hparams"]["skip_layers"]

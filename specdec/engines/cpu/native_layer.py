@@ -489,11 +489,6 @@ def for_rows(fast: LeanLayer, n: int) -> NativeLayer | None:
     return rows[n] if rows is not None and n < len(rows) else None
 
 
-def native_of(fast: LeanLayer) -> NativeLayer | None:
-    """The native form attached for some row count, or None."""
-    return next((layer for layer in rows_of(fast) if layer is not None), None)
-
-
 def stack(fasts: Sequence[LeanLayer], table,
           form_of=lambda fast: "exact") -> dict[LeanLayer, NativeLayer]:
     """{lean layer: its native form} for those of `fasts` that have one, each held as form_of(layer) (NativeLayer's

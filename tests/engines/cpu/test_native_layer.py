@@ -27,6 +27,11 @@ needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc
                                     reason="no C compiler on this machine")
 
 
+def native_of(fast):
+    """The native form attached to a lean layer for some row count, or None."""
+    return next((layer for layer in native_layer.rows_of(fast) if layer is not None), None)
+
+
 @pytest.fixture
 def base():
     # head_dim 16 (layer.c takes multiples of the vector width); its own: lean re-points the layers' weights
@@ -95,7 +100,7 @@ def test_native_layers_give_the_lean_numbers(base, forced, tree, whole_stack, mo
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     for layer in (0, 2, LAST):  # the inputs the layers were given are kept as they were (written in place: a copy)
         torch.testing.assert_close(feats[layer], ref_feats[layer], rtol=1e-5, atol=1e-5)
-    assert all(native_layer.native_of(fast) is None for fast in lean_layers(base))  # detached on leaving measured_kernels
+    assert all(native_of(fast) is None for fast in lean_layers(base))  # detached on leaving measured_kernels
 
 
 @needs_compiler
@@ -157,7 +162,7 @@ def test_decoding_is_greedy_identical_with_native_layers(base, forced, kw):
         assert fast.accepted == stock.accepted
         assert all(forced) and (forced or len(prompts) > 1)  # batch of one: ran natively
     if drafter is not None:
-        assert native_layer.native_of(lean(drafter.exits[0].blocks[0])) is None  # its block was attached while decoding, and detached
+        assert native_of(lean(drafter.exits[0].blocks[0])) is None  # its block was attached while decoding, and detached
 
 
 @needs_compiler
@@ -175,8 +180,8 @@ def test_a_drafter_with_rounded_products_gets_its_native_layer(base, forced):
     block = lean(drafter.exits[0].blocks[0])
     with measured_kernels(base, drafter, table=rounded, bf16=[drafter]):
         assert "forward" in block.qkv.__dict__  # its products are the rounded ones ...
-        assert native_layer.native_of(block) is not None and native_layer.native_of(block).form == "bf16"  # ... and so are its native layer's
-        assert all(not native_layer.native_of(lean(layer)).rounded for layer in base.layers)  # the base's own: exact
+        assert native_of(block) is not None and native_of(block).form == "bf16"  # ... and so are its native layer's
+        assert all(not native_of(lean(layer)).rounded for layer in base.layers)  # the base's own: exact
         prompts = [list(range(30, 49))]
         fast = generate(base, prompts, drafter, SamplerConfig(max_new_tokens=12, eos_token_id=[], gamma=3),
                         engine=auto_engine())
@@ -198,7 +203,7 @@ def test_chosen_by_measurement_and_stored(base, monkeypatch):
 
     monkeypatch.setattr(native_layer, "measure", fake)
     t = table(forced=False)
-    assert native_layer.attach(base, t) == [] and all(native_layer.native_of(f) is None for f in lean_layers(base))
+    assert native_layer.attach(base, t) == [] and all(native_of(f) is None for f in lean_layers(base))
     assert measured == [native_layer.ROWS] and len(t.layers) == 1
     verdict.update(native=0.5)  # now faster: the stored choice loses its re-check by more than RECHECK_FACTOR
     monkeypatch.setattr(native_layer, "_CHECKED", set())  # a new process
@@ -221,7 +226,7 @@ def test_without_the_native_library_the_lean_layers_run(base, monkeypatch, tmp_p
         stock = generate(base, prompts, None, cfg, engine=auto_engine(name="eager"))
         plain = KernelTable(None, candidates={"linear": CANDIDATES["linear"]})
         with measured_kernels(base, table=plain):
-            assert all(native_layer.native_of(f) is None for f in lean_layers(base))
+            assert all(native_of(f) is None for f in lean_layers(base))
             # the CPU engine on that table, without the shortlist: both need the library this test takes away
             fast = CpuEngine(EngineConfig(greedy_shortlist=False), table=plain)
             assert generate(base, prompts, None, cfg, engine=fast).tokens.tolist() == stock.tokens.tolist()
@@ -292,9 +297,9 @@ def test_a_drafter_under_block_rounding_gets_its_native_layer_in_blocks(base, fo
     # (q4a8's offered even without VNNI; forced: each stack's way the most rounded it has, the kind's)
     every = KernelTable(None, rows=(1, 2, 4, 8, 16), quant=kernels.QUANT, forced=True)
     with measured_kernels(base, drafter, table=every, bf16=[drafter], quant=kind):
-        assert native_layer.native_of(block) is not None and native_layer.native_of(block).form == kind and native_layer.native_of(block).rounded
-        assert all(isinstance(p, Compact) and p.kind == kind for p in native_layer.native_of(block).packed)
-        assert all(not native_layer.native_of(lean(layer)).rounded for layer in base.layers)  # the base's own: exact
+        assert native_of(block) is not None and native_of(block).form == kind and native_of(block).rounded
+        assert all(isinstance(p, Compact) and p.kind == kind for p in native_of(block).packed)
+        assert all(not native_of(lean(layer)).rounded for layer in base.layers)  # the base's own: exact
         fast = generate(base, prompts, drafter, cfg, engine=auto_engine(draft_precision=kind))
     stock = generate(base, prompts, drafter, cfg, engine=auto_engine(name="eager"))
     assert fast.tokens.tolist() == stock.tokens.tolist()

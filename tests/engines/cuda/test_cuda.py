@@ -254,7 +254,7 @@ def test_training_on_the_gpu(drafter, corpus, tmp_path):
                           "trainer.val_check_interval=2", "callbacks.progress_bar.refresh_rate=0", "logger=csv", *extra],
                          tmp_path)
     metrics = train(tcfg)
-    assert metrics["val/expected_tau"] >= 1.0 and math.isfinite(metrics["train/loss"])
+    assert all(math.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/expected_tau"))  # validation ran
     gpu = tiny_base(device="cuda")
     trained = load_drafter(tmp_path / "run" / "drafter", gpu).to(CUDA).eval()
     ps = [[5, 6, 7, 8], [9, 10, 11]]
@@ -274,7 +274,7 @@ def test_feature_cache_and_training_from_it_on_the_gpu(corpus, tmp_path):
                          "data.batch_size=2", "drafter=prophet", "trainer.max_steps=4", "trainer.val_check_interval=2",
                          "callbacks.progress_bar.refresh_rate=0", "logger=csv"], tmp_path)
     metrics = train(cfg)
-    assert metrics["val/expected_tau"] >= 1.0 and math.isfinite(metrics["train/loss"])
+    assert all(math.isfinite(metrics[k]) for k in ("train/loss", "val/loss", "val/expected_tau"))  # validation ran
 
 
 def test_evaluate_on_the_gpu(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdec.checkpoint import write_text
+from specdec.engines.measure import cpu_fields
 from specdec.sweeps import REPORT, RESULT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,3 +254,15 @@ def _measured(root: Path) -> tuple[str, str]:
     dates = [h.get("date") or datetime.date.fromtimestamp(p.stat().st_mtime).isoformat()
              for h, p in zip(headers, paths)]
     return max(dates), f"{headers[0]['device']}, {headers[0]['threads']} threads"
+
+
+def cpu_label() -> str:
+    """A short folder name for this CPU, as committed results are filed (zen4, zen5, xeon): AMD family 25 model 17
+    is Zen 4 and family 26 Zen 5; any other CPU its vendor's word."""
+    fields = cpu_fields()
+    family, model = fields.get("cpu family"), fields.get("model")
+    if "AMD" in fields.get("model name", ""):
+        return {"25": "zen4" if model in ("17", "97") else "zen3", "26": "zen5"}.get(family, "amd")
+    if "Intel" in fields.get("model name", ""):
+        return "xeon" if "Xeon" in fields["model name"] else "intel"
+    return platform.machine() or "cpu"
