@@ -46,6 +46,7 @@ def experiment_script(name: str):
         sys.path.insert(0, str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where a dataclass's string annotations are resolved
     spec.loader.exec_module(module)
     return module
 
