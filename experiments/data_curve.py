@@ -1,20 +1,22 @@
-"""How DFlash's acceptance grows with training data: the recipe trained on a share of the shipped completion-format
-answers (¼, ½, all of features-completions' training blocks, a seeded sample each), the same number of steps and
-batch for every share, and its validation on the same held-out blocks.
+"""How a family's acceptance grows with training data: its recipe (configs/experiment/recipe/<family>.yaml) trained
+on a share of the shipped completion-format answers (¼, ½, all of features-completions' training blocks, a seeded
+sample each), the same number of steps and batch for every share, and its validation on the same held-out blocks.
 
     make features-completions        # the cache every share samples from (resumable)
-    python experiments/data_curve.py [--shares 0.25 0.5 1] [--steps 600] [--batch 8] [--need 0.54 0.73] [--cpu zen5]
+    python experiments/data_curve.py [--recipe hydra] [--shares 0.25 0.5 1] [--steps 600] [--batch 8]
+                                     [--need 0.54 0.73] [--cpu zen5]
 
 Each point is the run's best validation reading (validation every `--steps / 6` steps), so a small share that
-overfits is read at its best, not at its end: for α at depth 1 (val/pos1_top1: the block's first position's top-1
-agreement with the base, what T = 0 accepts there) and the predicted τ of a chain of 3 (val/expected_tau_greedy).
+overfits is read at its best, not at its end: for α at depth 1 (val/<entry>1_top1, e.g. val/head1_top1 or
+val/pos1_top1: the first drafted token's top-1 agreement with the base, what T = 0 accepts there) and the predicted τ
+of the drafter's whole chain (val/expected_tau_greedy).
 With the same steps, a share smaller than the steps' tokens is seen for several epochs: where the curve still rises at
 the largest share, more data would help at this compute; where it is flat, the steps or the drafter limit it.
 `--need` are the α per position the cost model asks for (experiments/pages/data_curve.md says whence); a line
 through α against log(training tokens) of the points says where each would be reached, if the trend held.
 
-Resumable: a finished training is kept. Results: experiments/results/data_curve/<cpu>/ (curve.json, and each run's
-metrics along training as <share>_metrics.csv).
+Resumable: a finished training is kept. Results: experiments/results/data_curve/<cpu>/<family>/ (curve.json, and
+each run's metrics along training as <share>_metrics.csv).
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-ALPHA, TAU = "val/pos1_top1", "val/expected_tau_greedy"
+TAU = "val/expected_tau_greedy"
 
 
-def train(share: float, steps: int, batch: int, run_dir: Path) -> None:
+def train(recipe: str, share: float, steps: int, batch: int, run_dir: Path) -> None:
     if (run_dir / "drafter").exists():
         return
-    args = ["train.py", "experiment=recipe/dflash", f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
+    args = ["train.py", f"experiment=recipe/{recipe}", f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
             f"data.train_share={share}", f"data.batch_size={batch}", f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={max(steps // 6, 1)}", "trainer.limit_val_batches=16",
-            f"hydra.run.dir={run_dir}"]
+            "trainer.max_time=null", f"hydra.run.dir={run_dir}"]
     print("+", " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
 
@@ -50,8 +52,11 @@ def readings(run_dir: Path) -> list[dict]:
     rows = []
     for path in sorted(run_dir.glob("csv/version_*/metrics.csv")):
         with open(path) as f:
-            rows += [{"tokens": float(r["val/train_tokens"]), "alpha1": float(r[ALPHA]), "tau": float(r[TAU])}
-                     for r in csv.DictReader(f) if r.get(ALPHA)]
+            reader = csv.DictReader(f)
+            # the first drafted token's top-1 column, whatever the family calls its entries (head1, pos1, ...)
+            alpha = next(k for k in reader.fieldnames if k.startswith("val/") and k.endswith("1_top1"))
+            rows += [{"tokens": float(r["val/train_tokens"]), "alpha1": float(r[alpha]), "tau": float(r[TAU])}
+                     for r in reader if r.get(alpha)]
     return sorted(rows, key=lambda r: r["tokens"])
 
 
@@ -66,6 +71,7 @@ def crossing(points: list[tuple[float, float]], alpha: float) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="hydra", help="configs/experiment/recipe/<name>.yaml")
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)
@@ -75,12 +81,13 @@ def main() -> None:
     a = p.parse_args()
     meta = json.loads((CACHE / "features" / "stdlib_complete_all" / "meta.json").read_text())
     block = meta["block_size"]
-    logs, dest = ROOT / "logs" / "data_curve", ROOT / "experiments" / "results" / "data_curve" / a.cpu
+    logs = ROOT / "logs" / "data_curve" / a.recipe
+    dest = ROOT / "experiments" / "results" / "data_curve" / a.cpu / a.recipe
     dest.mkdir(parents=True, exist_ok=True)
     points = []
     for share in a.shares:
         run_dir = logs / f"share_{share}_steps_{a.steps}"
-        train(share, a.steps, a.batch, run_dir)
+        train(a.recipe, share, a.steps, a.batch, run_dir)
         rows = readings(run_dir)
         best = max(rows, key=lambda r: r["tau"])
         data_tokens = round(share * meta["blocks"]["train"]) * block
@@ -94,11 +101,11 @@ def main() -> None:
     needs = {str(n): crossing(line, n) if len(line) > 1 else None for n in a.need}
     for n, t in needs.items():
         print(f"α1 {n}: " + (f"at about {t / 1e6:.1f}M tokens of data on the trend" if t else "not on a rising trend"))
-    command = (f"python experiments/data_curve.py --shares {' '.join(map(str, a.shares))} --steps {a.steps} "
-               f"--batch {a.batch} --need {' '.join(map(str, a.need))} --cpu {a.cpu}")
+    command = (f"python experiments/data_curve.py --recipe {a.recipe} --shares {' '.join(map(str, a.shares))} "
+               f"--steps {a.steps} --batch {a.batch} --need {' '.join(map(str, a.need))} --cpu {a.cpu}")
     (dest / "curve.json").write_text(json.dumps(
-        {"command": command, "cache": "features-completions", "block_size": block, "steps": a.steps,
-         "batch": a.batch, "points": points, "tokens_needed_for_alpha1": needs}, indent=1) + "\n")
+        {"command": command, "recipe": a.recipe, "cache": "features-completions", "block_size": block,
+         "steps": a.steps, "batch": a.batch, "points": points, "tokens_needed_for_alpha1": needs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
