@@ -52,12 +52,12 @@ test-long: setup
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q --durations=15 -m long tests
 
 # The main job on the embedded default, in three steps: a quick feature cache of the shipped self-distilled text's
-# completion-format answers (stdlib functions, the format HumanEval asks in), four Hydra heads (draft vocab 8192; the
-# drafter and lr chosen by hparams_search/demo_grid) trained from it, then HumanEval's reporting split: the heads
-# drafting a chain of one token (configs/sampler/demo.yaml and configs/engine/demo.yaml, chosen on problems 0-9, the
-# prompts the demo reports on, not on the tuning split) alone and with n-gram lookup rounds, lookup alone, our plain AR
-# loop, and llama.cpp on the same GGUF, plain and with its own n-gram speculation; DEMO_PASSES rotations, each
-# answer checked against HF generate in float32 (untimed); prints the table.
+# completion-format answers (stdlib functions, the format HumanEval asks in), copy-aware Hydra heads (draft vocab
+# 8192) trained from it within a 6-minute budget (configs/experiment/demo.yaml), then HumanEval's reporting split: the
+# heads drafting a chain of one token (configs/sampler/demo.yaml, configs/engine/demo.yaml) alone and with n-gram
+# lookup rounds, lookup alone, our plain AR loop, and llama.cpp on the same GGUF, plain and with its own n-gram
+# speculation; DEMO_PASSES rotations, each answer checked against HF generate in float32 (untimed); prints the table.
+# The family, its training and the chain length are experiments/demo_choice.py's choice on the tuning split.
 # Each run: logs/demo/<time>/; DEMO_SAVE=<dir> also copies its report.md and results.json there (the committed
 # experiments/results/demo/<cpu>/).
 DEMO_BLOCKS ?= 600

@@ -3,8 +3,8 @@ on a share of the shipped completion-format answers (¼, ½, all of features-com
 sample each), the same number of steps and batch for every share, and its validation on the same held-out blocks.
 
     make features-completions        # the cache every share samples from (resumable)
-    python experiments/data_curve.py [--recipe hydra] [--shares 0.25 0.5 1] [--steps 600] [--batch 8]
-                                     [--need 0.54 0.73] [--cpu zen5]
+    python experiments/data_curve.py [--recipe hydra] [--set drafter=copy_hydra drafter.num_heads=3]
+                                     [--shares 0.25 0.5 1] [--steps 600] [--batch 8] [--need 0.54 0.73] [--cpu zen5]
 
 Each point is the run's best validation reading (validation every `--steps / 6` steps), so a small share that
 overfits is read at its best, not at its end: for α at depth 1 (val/<entry>1_top1, e.g. val/head1_top1 or
@@ -15,8 +15,10 @@ the largest share, more data would help at this compute; where it is flat, the s
 `--need` are the α per position the cost model asks for (experiments/pages/data_curve.md says whence); a line
 through α against log(training tokens) of the points says where each would be reached, if the trend held.
 
-Resumable: a finished training is kept. Results: experiments/results/data_curve/<cpu>/<family>/ (curve.json, and
-each run's metrics along training as <share>_metrics.csv).
+`--set` adds train.py overrides to the recipe's (another drafter on the same recipe, its size); the results are then
+filed under the drafter's name. Resumable: a finished training is kept. Results:
+experiments/results/data_curve/<cpu>/<name>/ (curve.json, and each run's metrics along training as
+<share>_metrics.csv).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ CACHE = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")
 TAU = "val/expected_tau_greedy"
 
 
-def train(recipe: str, share: float, steps: int, batch: int, run_dir: Path) -> None:
+def train(recipe: str, extra: list[str], share: float, steps: int, batch: int, run_dir: Path) -> None:
     if (run_dir / "drafter").exists():
         return
-    args = ["train.py", f"experiment=recipe/{recipe}", f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
+    args = ["train.py", f"experiment=recipe/{recipe}", *extra, f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
             f"data.train_share={share}", f"data.batch_size={batch}", f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={max(steps // 6, 1)}", "trainer.limit_val_batches=16",
             "trainer.max_time=null", f"hydra.run.dir={run_dir}"]
@@ -72,6 +74,7 @@ def crossing(points: list[tuple[float, float]], alpha: float) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="hydra", help="configs/experiment/recipe/<name>.yaml")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)
@@ -81,13 +84,14 @@ def main() -> None:
     a = p.parse_args()
     meta = json.loads((CACHE / "features" / "stdlib_complete_all" / "meta.json").read_text())
     block = meta["block_size"]
-    logs = ROOT / "logs" / "data_curve" / a.recipe
-    dest = ROOT / "experiments" / "results" / "data_curve" / a.cpu / a.recipe
+    name = next((o.split("=", 1)[1] for o in a.set if o.startswith("drafter=")), a.recipe)
+    logs = ROOT / "logs" / "data_curve" / name
+    dest = ROOT / "experiments" / "results" / "data_curve" / a.cpu / name
     dest.mkdir(parents=True, exist_ok=True)
     points = []
     for share in a.shares:
         run_dir = logs / f"share_{share}_steps_{a.steps}"
-        train(a.recipe, share, a.steps, a.batch, run_dir)
+        train(a.recipe, a.set, share, a.steps, a.batch, run_dir)
         rows = readings(run_dir)
         best = max(rows, key=lambda r: r["tau"])
         data_tokens = round(share * meta["blocks"]["train"]) * block
@@ -101,10 +105,11 @@ def main() -> None:
     needs = {str(n): crossing(line, n) if len(line) > 1 else None for n in a.need}
     for n, t in needs.items():
         print(f"α1 {n}: " + (f"at about {t / 1e6:.1f}M tokens of data on the trend" if t else "not on a rising trend"))
-    command = (f"python experiments/data_curve.py --recipe {a.recipe} --shares {' '.join(map(str, a.shares))} "
+    command = (f"python experiments/data_curve.py --recipe {a.recipe} "
+               + (f"--set {' '.join(a.set)} " if a.set else "") + f"--shares {' '.join(map(str, a.shares))} "
                f"--steps {a.steps} --batch {a.batch} --need {' '.join(map(str, a.need))} --cpu {a.cpu}")
     (dest / "curve.json").write_text(json.dumps(
-        {"command": command, "recipe": a.recipe, "cache": "features-completions", "block_size": block,
+        {"command": command, "recipe": a.recipe, "overrides": a.set, "cache": "features-completions", "block_size": block,
          "steps": a.steps, "batch": a.batch, "points": points, "tokens_needed_for_alpha1": needs}, indent=1) + "\n")
 
 
