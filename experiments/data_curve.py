@@ -17,14 +17,15 @@ through α against log(training tokens) of the points says where each would be r
 
 `--set` adds train.py overrides to the recipe's (another drafter on the same recipe, its size); the results are then
 filed under the drafter's name. Resumable: a finished training is kept. Results:
-experiments/results/data_curve/<cpu>/<name>/ (curve.json, and each run's metrics along training as
-<share>_metrics.csv).
+experiments/results/data_curve/<cpu>/<name>/: curve_<steps>.md (the table), curve_<steps>.json, and each run's
+metrics along training as <share>_<steps>_metrics.csv.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import math
 import os
@@ -32,6 +33,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from specdec.engines.measure import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
@@ -98,7 +101,7 @@ def main() -> None:
         points.append({"share": share, "data_tokens": data_tokens, "epochs": rows[-1]["tokens"] / data_tokens,
                        "best_at_tokens_seen": best["tokens"], "alpha1": best["alpha1"], "tau": best["tau"],
                        "alpha1_end": rows[-1]["alpha1"], "tau_end": rows[-1]["tau"]})
-        shutil.copy(next(run_dir.glob("csv/version_*/metrics.csv")), dest / f"{share}_metrics.csv")
+        shutil.copy(next(run_dir.glob("csv/version_*/metrics.csv")), dest / f"{share}_{a.steps}_metrics.csv")
         print(f"share {share}: {data_tokens / 1e6:.2f}M tokens of data, α1 {best['alpha1']:.3f}, τ {best['tau']:.3f} "
               f"(best, at {best['tokens'] / 1e6:.2f}M seen; end: α1 {rows[-1]['alpha1']:.3f})", flush=True)
     line = [(q["data_tokens"], q["alpha1"]) for q in points]
@@ -108,9 +111,20 @@ def main() -> None:
     command = (f"python experiments/data_curve.py --recipe {a.recipe} "
                + (f"--set {' '.join(a.set)} " if a.set else "") + f"--shares {' '.join(map(str, a.shares))} "
                f"--steps {a.steps} --batch {a.batch} --need {' '.join(map(str, a.need))} --cpu {a.cpu}")
-    (dest / "curve.json").write_text(json.dumps(
-        {"command": command, "recipe": a.recipe, "overrides": a.set, "cache": "features-completions", "block_size": block,
-         "steps": a.steps, "batch": a.batch, "points": points, "tokens_needed_for_alpha1": needs}, indent=1) + "\n")
+    curve = {"command": command, "recipe": a.recipe, "overrides": a.set, "cache": "features-completions",
+             "block_size": block, "steps": a.steps, "batch": a.batch, "points": points,
+             "tokens_needed_for_alpha1": needs}
+    (dest / f"curve_{a.steps}.json").write_text(json.dumps(curve, indent=1) + "\n")
+    lines = [f"# α at depth 1 against training data: {name}, {a.steps} steps of batch {a.batch}\n",
+             f"`{command}` · {datetime.date.today()} · {cpu_model()}\n",
+             "| share | data tokens | epochs | α1 (val, best) | τ of the chain (val, best) | at tokens seen |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {q['share']} | {q['data_tokens'] / 1e6:.2f}M | {q['epochs']:.2f} | {q['alpha1']:.3f} | {q['tau']:.3f} | "
+              f"{q['best_at_tokens_seen'] / 1e6:.2f}M |" for q in points]
+    lines += ["", "α1 reached on the log-linear trend of these points: " + "; ".join(
+        f"{n}: " + (f"{t / 1e6:.3g}M tokens" if t else "never (the trend does not rise)") for n, t in needs.items())]
+    (dest / f"curve_{a.steps}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
