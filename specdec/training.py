@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric
 
 from specdec.base import Base, Features, resolve_device
 from specdec.calibration import SamplerProbe
-from specdec.checkpoint import save_drafter, write_json
+from specdec.checkpoint import META, save_drafter, write_json
 from specdec.drafters.drafter import Drafter, TrainOutput
 from specdec.engines import build
 from specdec.losses import topk_kl
@@ -307,6 +307,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     finally:
         _finish_wandb()
     if trainer.global_rank == 0 and not trainer.interrupted and not trainer.fast_dev_run:
+        if not (out_dir / "drafter" / META).exists():
+            # a resumed run whose time budget the checkpoint had already spent stops before the training loop, so
+            # SaveDrafter's on_train_end never ran: the checkpoint's weights are the run's drafter
+            save_drafter(module.drafter, out_dir / "drafter", train_config=config,
+                         metrics={k: v for k, v in metrics.items() if k.startswith("val/")})
         write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
                                       "trainable_params": n_train, "global_step": trainer.global_step,
                                       "precision": str(precision)})

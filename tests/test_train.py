@@ -80,3 +80,18 @@ def test_short_run_logs_and_saves_drafter(corpus, tmp_path, tiny):
     cfg.module.optimizer.lr = 3e-3
     with pytest.raises(ValueError, match="holds a finished run with another config .differs in module"):
         train(cfg)
+
+
+def test_a_run_whose_loop_never_ran_still_writes_its_drafter(corpus, tmp_path, tiny, monkeypatch):
+    # a run resumed from a checkpoint whose time budget is spent can stop before the training loop, so SaveDrafter's
+    # on_train_end never runs (as stubbed here): train() then writes the checkpoint's drafter itself
+    from specdec.training import SaveDrafter
+
+    monkeypatch.setattr(SaveDrafter, "on_train_end", lambda *a, **k: None)
+    cfg = compose_train([*TINY_DATA, f"data.source.path={corpus}/*.txt", "drafter=medusa", "trainer.max_steps=2",
+                         "trainer.val_check_interval=2", "logger=csv", "callbacks.progress_bar.refresh_rate=0"],
+                        tmp_path)
+    metrics = train(cfg)
+    out = Path(cfg.paths.output_dir)
+    assert read_meta(out / "drafter")["metrics"]["val/expected_tau"] == metrics["val/expected_tau"]
+    assert len(load_drafter(out / "drafter", tiny).heads) == read_meta(out / "drafter")["hparams"]["num_heads"]
