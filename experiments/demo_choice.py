@@ -5,9 +5,9 @@ the reporting split the demo prints.
 
 1. the demo's feature cache (600 blocks of the shipped completion-format answers, as `make demo` builds it) with every
    layer a candidate reads (the last; the inputs of base layers 2, 15 and 29);
-2. each candidate trained from it at the demo's scale: four Hydra heads (recipe/hydra, lr 3e-3, 600 steps); copy-aware Hydra
-   heads (drafters/copy_hydra.py, three, the same recipe); DFlash (recipe/dflash) and P-EAGLE (recipe/peagle), 900 steps of
-   batch 4;
+2. each candidate trained from it at the demo's scale: four Hydra heads (recipe/hydra, lr 3e-3, 600 steps);
+   copy-aware Hydra heads (drafters/copy_hydra.py, three, the same recipe); DFlash (recipe/dflash) and P-EAGLE
+   (recipe/peagle), 900 steps of batch 4;
 3. one evaluation per chain length γ on the tuning split, every candidate that drafts that deep beside our AR loop
    and n-gram lookup, alone and with lookup rounds (sampler=demo, engine=demo), the methods taking turns;
 4. the choice: the candidate and γ whose drafter ALONE runs fastest against our AR loop (the demo's question is
