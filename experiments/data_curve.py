@@ -44,7 +44,8 @@ TAU = "val/expected_tau_greedy"
 def train(recipe: str, extra: list[str], share: float, steps: int, batch: int, run_dir: Path) -> None:
     if (run_dir / "drafter").exists():
         return
-    args = ["train.py", f"experiment=recipe/{recipe}", *extra, f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
+    args = ["train.py", f"experiment=recipe/{recipe}", *extra,
+            f"data.path={CACHE / 'features' / 'stdlib_complete_all'}",
             f"data.train_share={share}", f"data.batch_size={batch}", f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={max(steps // 6, 1)}", "trainer.limit_val_batches=16",
             "trainer.max_time=null", f"hydra.run.dir={run_dir}"]
@@ -119,8 +120,8 @@ def main() -> None:
              f"`{command}` · {datetime.date.today()} · {cpu_model()}\n",
              "| share | data tokens | epochs | α1 (val, best) | τ of the chain (val, best) | at tokens seen |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {q['share']} | {q['data_tokens'] / 1e6:.2f}M | {q['epochs']:.2f} | {q['alpha1']:.3f} | {q['tau']:.3f} | "
-              f"{q['best_at_tokens_seen'] / 1e6:.2f}M |" for q in points]
+    lines += [f"| {q['share']} | {q['data_tokens'] / 1e6:.2f}M | {q['epochs']:.2f} | {q['alpha1']:.3f} | "
+              f"{q['tau']:.3f} | {q['best_at_tokens_seen'] / 1e6:.2f}M |" for q in points]
     lines += ["", "α1 reached on the log-linear trend of these points: " + "; ".join(
         f"{n}: " + (f"{t / 1e6:.3g}M tokens" if t else "never (the trend does not rise)") for n, t in needs.items())]
     (dest / f"curve_{a.steps}.md").write_text("\n".join(lines) + "\n")

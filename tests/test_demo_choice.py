@@ -10,7 +10,8 @@ from conftest import ROOT, compose_train, experiment_script
 
 
 def test_the_demo_config_is_the_committed_choice(tmp_path):
-    (path,) = ROOT.glob("experiments/results/demo_choice/*/choice.json")  # one machine's choice, the one the demo states
+    # one machine's choice, the one the demo states
+    (path,) = ROOT.glob("experiments/results/demo_choice/*/choice.json")
     choice = json.loads(path.read_text())
     # the script's candidate list states the same overrides the choice recorded
     assert experiment_script("demo_choice").CANDIDATES[choice["family"]][0] == choice["train_overrides"]
