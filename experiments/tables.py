@@ -1,5 +1,5 @@
-"""Paper tables, one command each (experiments/<table>.py): run the table's training sweep
-(configs/experiment/<table>/train.yaml, `train.py -m`) and its evaluation (eval.yaml, `evaluate.py`), then write
+"""The runner behind every paper table's script (experiments/<table>.py, one command each): run the table's training
+sweep (configs/experiment/<table>/train.yaml, `train.py -m`) and its evaluation (eval.yaml, `evaluate.py`), then write
 the table as markdown + CSV + PNG. Finished runs are read back, not rerun, so a killed table continues where it
 stopped and `--render` rebuilds the table from the runs alone.
 
