@@ -282,7 +282,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         _set_draft_vocab(drafter, datamodule)
 
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    callbacks.append(SaveDrafter(str(out_dir / "drafter"), config))
+    saver = SaveDrafter(str(out_dir / "drafter"), config)
+    callbacks.append(saver)
     loggers = [hydra.utils.instantiate(c, **_sweep_grouping(c)) for c in (cfg.get("logger") or {}).values()]
     precision = cfg.trainer.get("precision")
     if precision == AUTO:  # timed on this machine: bf16 autocast where its products are faster, else fp32
@@ -309,9 +310,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.global_rank == 0 and not trainer.interrupted and not trainer.fast_dev_run:
         if not (out_dir / "drafter" / META).exists():
             # a resumed run whose time budget the checkpoint had already spent stops before the training loop, so
-            # SaveDrafter's on_train_end never ran: the checkpoint's weights are the run's drafter
-            save_drafter(module.drafter, out_dir / "drafter", train_config=config,
-                         metrics={k: v for k, v in metrics.items() if k.startswith("val/")})
+            # Lightning never called the saver's on_train_end: the checkpoint's weights are the run's drafter
+            saver.on_train_end(trainer, module)
         write_json(out_dir / RESULT, {"status": "completed", "metrics": metrics, "config": config,
                                       "trainable_params": n_train, "global_step": trainer.global_step,
                                       "precision": str(precision)})
